@@ -1,0 +1,42 @@
+# One command each: `make test` and `make demo` set themselves up from nothing
+# (virtual environment, pinned dependencies, models) and are idempotent.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch that lies on these machines; a bare `torch` would pull CUDA.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint demo fetch-test-model fetch-default bench-verify clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	touch $@
+
+fetch-test-model: $(STAMP)
+	$(VENV)/bin/cactus-spec models fetch smollm2-135m
+
+fetch-default: $(STAMP)
+	$(VENV)/bin/cactus-spec models fetch
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src/cactus_spec/rules.py src/cactus_spec/verify.py src/cactus_spec/audit.py src/cactus_spec/sampling.py tests/test_rules.py tests/test_verify.py benchmarks
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+demo: fetch-default
+	$(VENV)/bin/cactus-spec demo
+
+bench-verify: $(STAMP)
+	$(PY) benchmarks/verify_bench.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

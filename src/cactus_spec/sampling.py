@@ -1,0 +1,97 @@
+"""From logits to the distributions p and q, and seeded draws from them.
+
+Draft and verifier logits go through the same processing, in this order:
+temperature, then top-k, then top-p (nucleus), then renormalisation. At
+temperature 0 the distribution is one-hot at the argmax (greedy decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Temperature (0 = greedy), top-k (0 = off) and top-p (1 = off)."""
+
+    temperature: float = 0.6
+    top_k: int = 20
+    top_p: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """Processed distribution rows: logits [..., V] -> float32 probabilities [..., V]."""
+    logits = logits.float()
+    if config.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / config.temperature
+    if 0 < config.top_k < logits.shape[-1]:
+        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # [..., V]
+    if config.top_p < 1:
+        probs = _nucleus(probs, config.top_p)
+    return probs
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [..., V]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., V]
+    keep_sorted = mass_before < top_p  # the first token is always kept
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def uniforms(rows: int, count: int, generator: Generators, device: torch.device) -> Tensor:
+    """U[0, 1) draws [rows, count] in float32.
+
+    One generator draws the whole block; a sequence of ``rows`` generators draws
+    row i from generator i, so a batch reproduces each row run alone.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        gen_device = generator.device if generator is not None else device
+        draws = torch.rand(rows, count, generator=generator, device=gen_device)
+        return draws.to(device)
+    if len(generator) != rows:
+        raise ValueError(
+            f"generator: expected one generator per row ({rows}), got {len(generator)}"
+        )
+    draws = [torch.rand(count, generator=g, device=g.device).to(device) for g in generator]
+    return torch.stack(draws)
+
+
+def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row by inverse CDF: probs [B, V] (need not sum to 1), u [B] -> [B] int64.
+
+    Picks the first index whose cumulative mass exceeds u * total, so a token of
+    zero probability is never chosen; if rounding puts u * total at the very top,
+    the last token of positive mass is taken.
+    """
+    cdf = probs.float().cumsum(-1)  # [B, V]
+    total = cdf[:, -1:].contiguous()  # [B, 1]
+    ids = torch.searchsorted(cdf, u.unsqueeze(-1) * total, right=True)  # [B, 1]
+    last_positive = torch.searchsorted(cdf, total, right=False)  # [B, 1]
+    return torch.minimum(ids, last_positive).squeeze(-1)
