@@ -27,9 +27,9 @@ fetch-default: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src/cactus_spec/rules.py src/cactus_spec/verify.py src/cactus_spec/audit.py src/cactus_spec/sampling.py tests/test_rules.py tests/test_verify.py benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
 
-test: lint
+test: lint fetch-test-model
 	$(VENV)/bin/pytest -q
 
 demo: fetch-default

@@ -1,0 +1,380 @@
+"""Loading models (local directories, GGUF files, hub ids) and the KV-cached backend interface.
+
+A GGUF file is dequantised once into a dense bfloat16 copy cached under the cache directory,
+keyed by the file's sha256, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import logging as hf_logging
+
+FETCH_HINT = "run: cactus-spec models fetch"
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_STALE_TEMP_S = 3600.0
+
+
+class ModelNotFoundError(ValueError):
+    """A model source that does not exist or cannot be loaded."""
+
+
+class VocabularyMismatchError(ValueError):
+    """Target and draft models do not share a vocabulary."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, with its tokenizer (if any) and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    identity: str  # local path or hub id
+    sha256: str | None  # of the GGUF file, when loaded from one
+
+
+def cache_dir() -> Path:
+    """The cache root: `$CACTUS_SPEC_CACHE`, else `~/.cache/cactus-spec`."""
+    return Path(os.environ.get("CACTUS_SPEC_CACHE") or Path.home() / ".cache" / "cactus-spec")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(
+    name: str | torch.dtype | None, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """Map a dtype name to a torch dtype; None or "auto" picks the fastest safe one for `device`."""
+    if isinstance(name, torch.dtype) and name in _DTYPES.values():
+        return name
+    if name is None or name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    if isinstance(name, str) and name.lower() in _DTYPES:
+        return _DTYPES[name.lower()]
+    allowed = ", ".join([*_DTYPES, "auto"])
+    raise ValueError(f"dtype must be one of {allowed}; got {name!r}")
+
+
+def _sha_index_path() -> Path:
+    return cache_dir() / "sha256.json"
+
+
+def _read_sha_index() -> dict[str, dict]:
+    try:
+        return json.loads(_sha_index_path().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _stat_key(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def record_sha256(path: str | Path, digest: str) -> None:
+    """Remember `digest` as the sha256 of `path` while its size and mtime stay unchanged."""
+    path = Path(path).resolve()
+    index = _read_sha_index()
+    index[str(path)] = {**_stat_key(path), "sha256": digest}
+    _sha_index_path().parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sha_index_path().with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, _sha_index_path())
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file, cached by path, size and mtime (hashing 1 GB takes seconds)."""
+    path = Path(path).resolve()
+    entry = _read_sha_index().get(str(path))
+    if entry and {k: entry.get(k) for k in ("size", "mtime_ns")} == _stat_key(path):
+        return entry["sha256"]
+    print(f"hashing {path.name}...", file=sys.stderr)
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    record_sha256(path, h.hexdigest())
+    return h.hexdigest()
+
+
+def _remove_stale_temps(parent: Path, prefix: str) -> None:
+    """Delete temp dirs left by crashed conversions (older than an hour)."""
+    for old in parent.glob(f"{prefix}*"):
+        if time.time() - old.stat().st_mtime > _STALE_TEMP_S:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantise `gguf` into a dense bfloat16 transformers copy at `dest`, atomically."""
+    print(
+        f"converting {gguf.name} to a dense copy (one time, about a minute per GB)...",
+        file=sys.stderr,
+    )
+    start = time.perf_counter()
+    kw = {"gguf_file": gguf.name, "local_files_only": True}
+    quantised = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),  # dense weights, never packed blocks
+        **kw,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    config = copy.deepcopy(quantised.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    dense.load_state_dict(quantised.state_dict())
+    del quantised
+    prefix = f".{dest.name}.tmp-"
+    _remove_stale_temps(dest.parent, prefix)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+    try:
+        dense.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if (dest / "config.json").exists():  # another process finished the same conversion first
+        shutil.rmtree(tmp)
+    else:
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        os.rename(tmp, dest)  # atomic: `dest` appears complete or not at all
+    print(f"converted in {time.perf_counter() - start:.0f} s: {dest}", file=sys.stderr)
+
+
+def ensure_dense_copy(gguf: str | Path) -> Path:
+    """The cached dense copy of a GGUF file, converting it first if needed."""
+    gguf = Path(gguf)
+    dest = cache_dir() / "dense" / file_sha256(gguf)
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, dest)
+    return dest
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).exists() for name in _TOKENIZER_FILES)
+
+
+def _from_pretrained(
+    ref: str | Path, dtype: torch.dtype, local: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, local_files_only=local)
+    if local and not _has_tokenizer(Path(ref)):
+        return model, None
+    return model, AutoTokenizer.from_pretrained(ref, local_files_only=local)
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether `source` is meant as a path, not a `name` or `org/name` hub id."""
+    return source.endswith(".gguf") or source.startswith(".") or not _HUB_ID.match(source)
+
+
+def _not_found(source: str, why: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"model {source!r} {why}; to get the default model pair, {FETCH_HINT}"
+    )
+
+
+def _load_source(
+    source: str | Path, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None, str, str | None]:
+    """Load from a GGUF file, a local directory or a hub id: (model, tokenizer, identity, sha)."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _from_pretrained(ensure_dense_copy(path), dtype, local=True)
+        return model, tokenizer, str(path), file_sha256(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise _not_found(str(source), "is a directory without config.json")
+        model, tokenizer = _from_pretrained(path, dtype, local=True)
+        return model, tokenizer, str(path), None
+    if path.exists():
+        raise _not_found(str(source), "is neither a .gguf file nor a model directory")
+    if isinstance(source, Path) or _looks_like_path(source):
+        raise _not_found(str(source), "does not exist")
+    try:
+        model, tokenizer = _from_pretrained(source, dtype, local=False)
+    except OSError as err:
+        raise _not_found(source, f"could not be loaded from the Hugging Face hub ({err})") from err
+    return model, tokenizer, source, None
+
+
+def load_model(
+    source: str | Path | PreTrainedModel,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
+) -> LoadedModel:
+    """Load a model from a model object, a local directory, a `.gguf` file or a hub id.
+
+    Only a hub id reaches the network. A path that does not exist raises ModelNotFoundError.
+    A model object keeps its own dtype unless `dtype` is given.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs is noise here
+    if isinstance(source, PreTrainedModel):
+        model, tokenizer, identity, sha = source, None, type(source).__name__, None
+        if dtype is not None:
+            model = model.to(dtype=resolve_dtype(dtype, device))
+    else:
+        model, tokenizer, identity, sha = _load_source(source, resolve_dtype(dtype, device))
+    model = model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, identity=identity, sha256=sha)
+
+
+def _config_vocab_size(model: PreTrainedModel) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> int:
+    """Return the shared vocabulary size V (slice logits to `[..., :V]`), or raise.
+
+    With both tokenizers, V is `len(tokenizer)` (embedding rows padded beyond it are fine)
+    and the token-to-id maps must agree; otherwise the configs' vocab sizes must match.
+    """
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        sizes = (len(target.tokenizer), len(draft.tokenizer))
+        if sizes[0] == sizes[1] and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise VocabularyMismatchError(
+                f"target and draft tokenizers both have {sizes[0]} tokens but map them to "
+                "different ids"
+            )
+    else:
+        sizes = (_config_vocab_size(target.model), _config_vocab_size(draft.model))
+    if sizes[0] != sizes[1]:
+        raise VocabularyMismatchError(
+            f"target and draft vocabularies differ: target has {sizes[0]} tokens, "
+            f"draft has {sizes[1]}"
+        )
+    widths = (_config_vocab_size(target.model), _config_vocab_size(draft.model))
+    if sizes[0] > min(widths):
+        raise VocabularyMismatchError(
+            f"the tokenizers have {sizes[0]} tokens but the models only produce "
+            f"{min(widths)} logits"
+        )
+    return sizes[0]
+
+
+class Backend(Protocol):
+    """A single-sequence language model with a KV cache that can be rolled back."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits `append` returns."""
+
+    @property
+    def context_length(self) -> int:
+        """Maximum number of tokens the cache can hold."""
+
+    @property
+    def length(self) -> int:
+        """Number of tokens currently in the cache."""
+
+    def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """Feed tokens after the cached ones; return float32 logits of the last `keep` new
+        positions (all T when keep = 0) [T or keep, V]."""
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+
+    def reset(self) -> None:
+        """Empty the cache."""
+
+
+class TransformersBackend:
+    """Backend over a transformers causal LM with a DynamicCache, batch size 1.
+
+    Rollback needs full-attention layers (sliding-window layers roll back only within their window).
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._cache = DynamicCache(config=model.config)
+        self._length = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return _config_vocab_size(self.model)
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.get_text_config().max_position_embeddings
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """Run one forward pass over `token_ids`; return float32 logits [T, V] (or of the last
+        `keep` positions only: a long prefill then skips the LM head on the others)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.model.device).reshape(1, -1)
+        count = ids.shape[1]  # ids: [1, T]
+        if count == 0:
+            raise ValueError("append needs at least one token")
+        if self._length + count > self.context_length:
+            raise ValueError(
+                f"context overflow: {self._length} cached + {count} new tokens exceed "
+                f"context_length {self.context_length}"
+            )
+        positions = torch.arange(self._length, self._length + count, device=ids.device)[None]
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        self._length += count
+        return out.logits[0].float()  # [T, V]
+
+    def rollback(self, length: int) -> None:
+        """Drop cached tokens after the first `length`, without recomputing anything."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"rollback length must be in [0, {self._length}]; got {length}")
+        if length < self._length:
+            self._cache.crop(length - self._length)  # transformers 5.x: negative = tokens to drop
+            self._length = length
+
+    def reset(self) -> None:
+        """Start over with an empty cache."""
+        self._cache = DynamicCache(config=self.model.config)
+        self._length = 0

@@ -1,0 +1,34 @@
+"""Shared test fixtures: tiny seeded random-weight language models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
+
+
+def make_tiny_lm(vocab_size: int = 128, seed: int = 0, num_layers: int = 2) -> LlamaForCausalLM:
+    """A float32 Llama with hidden size 64 and random weights fixed by `seed`, in eval mode."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        torch.nn.init.normal_(model.lm_head.weight, std=LM_HEAD_STD)
+    return model.float().eval()
+
+
+@pytest.fixture
+def tiny_lm() -> LlamaForCausalLM:
+    """The default tiny model (vocabulary 128, seed 0)."""
+    return make_tiny_lm()
