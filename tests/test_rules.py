@@ -147,3 +147,14 @@ def test_topk_accepts_exactly_the_top_k() -> None:
 def test_bad_parameters_raise_naming_the_parameter(factory, message: str) -> None:
     with pytest.raises(ValueError, match=rf"^{message} must"):
         factory()
+
+
+def test_residual_when_nothing_is_left_over_falls_back_to_h() -> None:
+    """With p = q there is no excess mass (rejection has probability 0): the residual is q."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.softmax(torch.randn(4, 9, generator=g), -1)
+    ids = torch.tensor([0, 3, 5, 8])
+    assert torch.allclose(SpS().residual(q, ids, q), q)
+    one_hot_top = torch.nn.functional.one_hot(q.argmax(-1), 9).float()
+    expected = one_hot_top  # TopK(1): h = 1[argmax q], nothing left over once p covers it
+    assert torch.equal(TopK(1).residual(q, q.argmax(-1), one_hot_top), expected)

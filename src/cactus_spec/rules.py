@@ -21,6 +21,7 @@ Tensors are float32 here; ``verify`` casts inputs before calling a rule.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +50,14 @@ def draft_prob_at(p: Tensor | None, draft_ids: Tensor) -> Tensor:
     return gather_last(p, draft_ids)
 
 
-def normalize(x: Tensor, fallback: Tensor) -> Tensor:
-    """Rows of ``x`` [..., V] scaled to sum 1; rows summing to 0 take ``fallback`` instead."""
+def normalize(x: Tensor, fallback: Callable[[], Tensor]) -> Tensor:
+    """Rows of ``x`` [..., V] scaled to sum 1; rows summing to 0 take ``fallback()`` instead
+    (built only when such a row exists: one pass over x in the common case)."""
     total = x.sum(-1, keepdim=True)  # [..., 1]
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    return torch.where(total > 0, x / safe, fallback)
+    empty = total <= 0
+    if not bool(empty.any()):
+        return x / total
+    return torch.where(empty, fallback(), x / torch.where(empty, 1.0, total))
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -97,8 +101,8 @@ class GeneralizedRule(Rule):
     def residual(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
         """normalize(max(0, h - p)); when that is all zero (rejection impossible), h itself."""
         h = self.h(q, draft_ids, p)  # [..., V]
-        excess = (h - draft_row(p, draft_ids, q.shape[-1])).clamp(min=0.0)  # [..., V]
-        return normalize(excess, normalize(h.clamp(min=0.0), q))
+        excess = (h - draft_row(p, draft_ids, q.shape[-1])).clamp_(min=0.0)  # [..., V]
+        return normalize(excess, lambda: normalize(h.clamp(min=0.0), lambda: q))
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,7 @@ class TopK(GeneralizedRule):
 
 def entropy(q: Tensor) -> Tensor:
     """Shannon entropy in nats of rows q [..., V] -> [...], with 0 log 0 = 0."""
-    return -torch.special.xlogy(q, q).sum(-1)
+    return torch.special.entr(q).sum(-1)
 
 
 @dataclass(frozen=True)
