@@ -8,7 +8,14 @@ import pytest
 import torch
 from lawcheck import random_dist
 
-from cactus_spec.audit import acceptance_prob, kl, step_law
+from cactus_spec.audit import (
+    MAX_AUDIT_SUPPORT,
+    acceptance_prob,
+    kl,
+    restrict_to_support,
+    step_divergences,
+    step_law,
+)
 from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK, binary_kl
 
 ALL_RULES = [SpS(), Cactus(0.5), Cactus(0.5, exact=True), TAS(), Interp(0.3), TopK(2)]
@@ -158,3 +165,26 @@ def test_residual_when_nothing_is_left_over_falls_back_to_h() -> None:
     one_hot_top = torch.nn.functional.one_hot(q.argmax(-1), 9).float()
     expected = one_hot_top  # TopK(1): h = 1[argmax q], nothing left over once p covers it
     assert torch.equal(TopK(1).residual(q, q.argmax(-1), one_hot_top), expected)
+
+
+def test_block_audit_equals_position_by_position() -> None:
+    """A shared (union) support changes nothing: tokens outside a position's own support
+    carry no mass in p, q or the law (up to float32 rounding of the rules)."""
+    g = torch.Generator().manual_seed(6)
+    vocab, rows = 60, 5
+    p = torch.zeros(rows, vocab)
+    q = torch.zeros(rows, vocab)
+    for i in range(rows):  # each position has its own sparse support
+        p[i, torch.randperm(vocab, generator=g)[:6]] = random_dist(6, g)
+        q[i, torch.randperm(vocab, generator=g)[:6]] = random_dist(6, g)
+    for rule in (Cactus(0.7), Cactus(0.7, exact=True), TAS(), Interp(0.2), TopK(2)):
+        together = step_divergences(p, q, rule)
+        for i in range(rows):
+            p_i, q_i = restrict_to_support(p[i], q[i])
+            alone = kl(step_law(p_i, q_i, rule), q_i)
+            assert together[i].item() == pytest.approx(alone.item(), rel=1e-4, abs=1e-6)
+
+
+def test_block_audit_refuses_a_whole_vocabulary() -> None:
+    q = torch.full((2, MAX_AUDIT_SUPPORT + 1), 1.0 / (MAX_AUDIT_SUPPORT + 1))
+    assert torch.isnan(step_divergences(q, q, Cactus(1.0))).all()

@@ -10,8 +10,8 @@ which is q for SpS, and differs from the rule's h when h depends on n (Cactus).
 Cost: the sum builds every residual r_n, an [S, S] matrix over the S tokens
 passed in, so O(S^2) time and memory. Tokens outside supp(p) U supp(q) carry no
 mass in p, q or any rule's law, so a real decode passes only that support
-(``restrict_to_support``): with top-k = 20 on both models S <= 40, which makes
-auditing every verified position cost microseconds.
+(``restrict_to_support``): with top-k = 20 on both models S <= 40 per position,
+and a whole verified block is audited in one batched call (``step_divergences``).
 """
 
 from __future__ import annotations
@@ -57,13 +57,26 @@ def tv(a: Tensor, b: Tensor) -> Tensor:
     return 0.5 * (a.double() - b.double()).abs().sum(-1)
 
 
+#: Largest support the exact audit takes on: [S, S] float64 matrices are built.
+MAX_AUDIT_SUPPORT = 4096
+
+
 def restrict_to_support(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
-    """p and q [V] restricted to the tokens where either is positive -> [S], [S]."""
-    support = ((p > 0) | (q > 0)).nonzero().squeeze(-1)  # [S]
-    return p[support], q[support]
+    """p and q [..., V] restricted to the tokens where any row of either is positive -> [..., S]."""
+    positive = (p > 0) | (q > 0)  # [..., V]
+    support = positive.reshape(-1, positive.shape[-1]).any(0).nonzero().squeeze(-1)  # [S]
+    return p[..., support], q[..., support]
 
 
-def step_divergence(p: Tensor, q: Tensor, rule: Rule) -> float:
-    """KL(law || q) in nats at one drafted position, computed on the joint support of p, q [V]."""
+def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
+    """KL(law_i || q_i) in nats for each position i: p, q [P, V] -> [P] (float64).
+
+    All positions share one support (the union of theirs), so a whole verified
+    block is audited in one call. A support above MAX_AUDIT_SUPPORT tokens (an
+    unrestricted vocabulary: no top-k or top-p) gives NaN, "not measured", rather
+    than building V x V matrices.
+    """
     p_s, q_s = restrict_to_support(p, q)
-    return float(kl(step_law(p_s, q_s, rule), q_s))
+    if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
+        return torch.full(q_s.shape[:-1], float("nan"), dtype=torch.float64)
+    return kl(step_law(p_s, q_s, rule), q_s)

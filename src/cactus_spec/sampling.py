@@ -41,27 +41,34 @@ class SamplingConfig:
 
 
 def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
-    """Processed distribution rows: logits [..., V] -> float32 probabilities [..., V]."""
+    """Processed distribution rows: logits [..., V] -> float32 probabilities [..., V].
+
+    With top-k on, the softmax and the nucleus run over the k largest logits only
+    (exactly k tokens; ties at the k-th broken by index), then scatter back: the
+    same distribution as masking the rest to -inf, without sorting V entries.
+    """
     logits = logits.float()
     if config.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / config.temperature
     if 0 < config.top_k < logits.shape[-1]:
-        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    probs = torch.softmax(logits, dim=-1)  # [..., V]
-    if config.top_p < 1:
-        probs = _nucleus(probs, config.top_p)
-    return probs
-
-
-def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+        values, ids = logits.topk(config.top_k, dim=-1)  # [..., k], descending
+        kept = _sorted_nucleus(torch.softmax(values / config.temperature, -1), config.top_p)
+        return torch.zeros_like(logits).scatter_(-1, ids, kept)
+    probs = torch.softmax(logits / config.temperature, dim=-1)  # [..., V]
+    if config.top_p == 1:
+        return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [..., V]
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., V]
-    keep_sorted = mass_before < top_p  # the first token is always kept
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = probs * keep
+    kept = _sorted_nucleus(sorted_probs, config.top_p)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def _sorted_nucleus(sorted_probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest prefix of descending probabilities [..., n] whose mass reaches
+    top_p (the first token always), renormalised."""
+    if top_p == 1:
+        return sorted_probs
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., n]
+    kept = sorted_probs * (mass_before < top_p)
     return kept / kept.sum(-1, keepdim=True)
 
 

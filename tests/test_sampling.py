@@ -1,0 +1,65 @@
+"""Logit processing and seeded draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lawcheck import binomial_violations, histogram, wrong_law
+
+from cactus_spec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
+
+
+def masked_reference(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Temperature, top-k by masking to -inf, then nucleus over the full sorted row."""
+    scaled = logits / config.temperature
+    if config.top_k:
+        kth = scaled.topk(config.top_k, -1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -float("inf"))
+    probs = torch.softmax(scaled, -1)
+    ordered, order = probs.sort(-1, descending=True)
+    keep_sorted = (ordered.cumsum(-1) - ordered) < config.top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(0.7, 20, 0.9),
+        SamplingConfig(1.0, 0, 0.8),
+        SamplingConfig(0.6, 5, 1.0),
+        SamplingConfig(1.3, 0, 1.0),
+    ],
+    ids=repr,
+)
+def test_processing_matches_masking_reference(config: SamplingConfig) -> None:
+    logits = 2 * torch.randn(6, 500, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, config)
+    assert torch.allclose(probs, masked_reference(logits, config), atol=1e-6)
+    assert torch.allclose(probs.sum(-1), torch.ones(6))
+    if config.top_k:
+        assert int((probs > 0).sum(-1).max()) <= config.top_k
+
+
+def test_greedy_is_one_hot_argmax() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    probs = logits_to_probs(logits, SamplingConfig(0.0, 20, 0.95))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal(probs.sum(-1), torch.ones(3))
+
+
+def test_inverse_cdf_follows_the_law_and_skips_zero_mass() -> None:
+    law = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    rows = 100_000
+    u = uniforms(rows, 1, torch.Generator().manual_seed(2), torch.device("cpu"))[:, 0]
+    draws = sample_inverse_cdf(law.expand(rows, -1), u)
+    counts = histogram(draws, 6)
+    assert counts[law == 0].sum() == 0
+    assert binomial_violations(counts, law) == []
+    assert binomial_violations(counts, wrong_law(law)) != []
+
+
+def test_inverse_cdf_at_the_very_top_takes_the_last_positive_token() -> None:
+    law = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    assert int(sample_inverse_cdf(law, torch.tensor([1.0]))) == 1
