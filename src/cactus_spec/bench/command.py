@@ -1,0 +1,124 @@
+"""``cactus-spec bench``: from command-line arguments to a finished run directory.
+
+Everything that can be checked without a model (task, prompt file, grid, sampling) is
+checked first, so a typo fails in a second, before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from cactus_spec.bench.grid import (
+    DEFAULT_ENTRIES,
+    QUICK_ENTRIES,
+    Config,
+    expand,
+    load_grid_file,
+    parse_entry,
+    parse_list,
+)
+from cactus_spec.bench.runner import BenchSettings, run_bench
+from cactus_spec.bench.tasks import TaskSpec, load_items
+from cactus_spec.fetch import REGISTRY, default_pair_paths, model_path
+from cactus_spec.models import FETCH_HINT, LoadedModel, ModelNotFoundError, load_model
+from cactus_spec.sampling import SamplingConfig
+
+#: What --quick changes, unless given explicitly: SmolLM2-135M drafting with n-gram lookup,
+#: 4 gsm problems of 64 new tokens, a small grid.
+QUICK_MODEL = "smollm2-135m"
+QUICK = {"n": 4, "max_new_tokens": 64, "num_draft_tokens": "4", "drafter": "ngram"}
+NORMAL = {"n": None, "max_new_tokens": 256, "num_draft_tokens": None, "drafter": None}
+
+stderr = Console(stderr=True)
+
+
+def _given(args: argparse.Namespace, name: str):
+    """The value given on the command line, else the --quick or the normal default."""
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return (QUICK if args.quick else NORMAL)[name]
+
+
+def _task(args: argparse.Namespace) -> TaskSpec:
+    name = args.task or ("prompts" if args.prompts else "gsm")
+    return TaskSpec(name, _given(args, "n"), args.task_seed, args.prompts)
+
+
+def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
+    if args.grid:
+        if args.method or args.num_draft_tokens or args.drafter:
+            raise ValueError("--grid takes methods, num_draft_tokens and drafter from the file")
+        return load_grid_file(args.grid)
+    ks, drafters = _given(args, "num_draft_tokens"), _given(args, "drafter")
+    if args.method:
+        entries = [parse_entry(spec) for spec in args.method]
+    else:
+        entries = QUICK_ENTRIES if args.quick else DEFAULT_ENTRIES
+    return expand(
+        entries,
+        parse_list(ks) if ks else None,
+        parse_list(drafters) if drafters else ("model",),
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Validated settings; raises ValueError on any bad input, before models load."""
+    return BenchSettings(
+        task=_task(args),
+        grid=_grid(args),
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
+        max_new_tokens=_given(args, "max_new_tokens"),
+        seed=args.seed,
+    )
+
+
+def _resolve(source: str) -> str:
+    """A known model name (``cactus-spec models fetch`` list) to its GGUF path."""
+    return str(model_path(source)) if source in REGISTRY else source
+
+
+def _sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
+    """Target and draft sources: the flags, else --quick's SmolLM2 (its own assistant),
+    else the fetched default pair."""
+    if args.quick:
+        target = _resolve(args.target or QUICK_MODEL)
+        if args.target is None and not Path(target).exists():
+            raise ModelNotFoundError(f"{QUICK_MODEL} is not fetched; {FETCH_HINT} {QUICK_MODEL}")
+        return target, _resolve(args.draft or target) if needs_draft else None
+    target, draft = args.target, args.draft if needs_draft else None
+    if target is None or (needs_draft and draft is None):
+        default_target, default_draft = default_pair_paths()
+        target, draft = target or str(default_target), draft or str(default_draft)
+    return _resolve(target), _resolve(draft) if needs_draft else None
+
+
+def _load(source: str, args: argparse.Namespace) -> LoadedModel:
+    stderr.print(f"loading {source} ...")
+    return load_model(source, dtype=args.dtype, device=args.device, threads=args.threads)
+
+
+def default_out(args: argparse.Namespace, settings: BenchSettings) -> Path:
+    """--out, else bench-out/quick or bench-out/TASK."""
+    name = "quick" if args.quick else settings.task.name
+    return Path(args.out or f"bench-out/{name}")
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark the arguments describe; print summary.md at the end."""
+    settings = settings_from_args(args)
+    items = load_items(settings.task)
+    target_source, draft_source = _sources(args, settings.needs_draft)
+    target = _load(target_source, args)
+    draft = None
+    if draft_source is not None:
+        draft = target if draft_source == target_source else _load(draft_source, args)
+    out = default_out(args, settings)
+    run_bench(settings, items, target, draft, out, progress=not args.no_progress)
+    sys.stdout.write((out / "summary.md").read_text())
+    stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")
+    return 0

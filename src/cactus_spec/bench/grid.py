@@ -1,0 +1,275 @@
+"""Configurations to compare: method × its parameters × K (num_draft_tokens) × drafter.
+
+Methods are the engine's (``cli.METHOD_PARAMS``: ar, sps, cactus, tas, interp, topk) and
+two Hugging Face peers: ``hf`` (plain ``generate`` on the verifier) and ``hf_assisted``
+(``generate(assistant_model=draft)``, or prompt lookup with the n-gram drafter).
+
+On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instance
+``cactus:delta=0.5,1:exact=false,true``; a file (TOML or JSON) holds the same entries::
+
+    num_draft_tokens = [6]          # optional: default for every entry
+    drafter = "model"               # optional: "model" or "ngram", or a list
+    [[methods]]
+    method = "cactus"
+    delta = [0.5, 1.0]
+    exact = [false, true]
+
+Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``
+or ``drafter``, overriding the defaults for that entry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cactus_spec.cli import DEFAULT_NUM_DRAFT_TOKENS, METHOD_PARAMS, build_rule
+from cactus_spec.rules import Rule
+
+HF_METHODS = ("hf", "hf_assisted")
+METHODS: dict[str, dict[str, object]] = {**METHOD_PARAMS, **{m: {} for m in HF_METHODS}}
+#: Methods that draft nothing, so K and the drafter do not apply.
+NO_DRAFT = ("ar", "hf")
+DRAFTERS = ("model", "ngram")
+#: Keys an entry may set besides its method's parameters; the values give their types.
+DRAFT_DEFAULTS: dict[str, object] = {
+    "num_draft_tokens": DEFAULT_NUM_DRAFT_TOKENS,
+    "drafter": "model",
+}
+_DRAFT_KEYS = tuple(DRAFT_DEFAULTS)
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+Entry = tuple[str, dict[str, list]]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration; ``params`` holds every parameter of the method, defaults filled."""
+
+    method: str
+    params: tuple[tuple[str, object], ...] = ()
+    num_draft_tokens: int = 0  # 0 for a method that drafts nothing
+    drafter: str | None = None  # None for a method that drafts nothing
+
+    @property
+    def drafts(self) -> bool:
+        return self.method not in NO_DRAFT
+
+    @property
+    def engine(self) -> bool:
+        """Whether our engine runs it (else Hugging Face's generate)."""
+        return self.method not in HF_METHODS
+
+    @property
+    def id(self) -> str:
+        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model``."""
+        body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
+        head = f"{self.method}({body})" if body else self.method
+        return f"{head}/K{self.num_draft_tokens}/{self.drafter}" if self.drafts else head
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and plots, e.g. ``cactus d=0.5 exact K6``."""
+        words = [self.method]
+        for name, value in self.params:
+            if isinstance(value, bool):
+                words += [name] if value else []
+            else:
+                words.append(f"{'d' if name == 'delta' else name}={_format(value)}")
+        if self.drafts:
+            words.append(f"K{self.num_draft_tokens}")
+            words += ["ngram"] if self.drafter == "ngram" else []
+        return " ".join(words)
+
+    def rule(self) -> Rule | None:
+        """The acceptance rule of an engine method (None for ar and the HF peers)."""
+        return build_rule(self.method, dict(self.params)) if self.engine else None
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "label": self.label,
+            "method": self.method,
+            "params": dict(self.params),
+            "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter,
+        }
+
+
+def _format(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _parse_bool(value: object) -> bool:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if isinstance(value, bool) or text in _TRUE + _FALSE:
+        return value if isinstance(value, bool) else text in _TRUE
+    raise ValueError(value)
+
+
+def _parse_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _parse_int(value: object) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)  # type: ignore[arg-type]
+
+
+def _parse_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value.strip()
+
+
+_PARSERS = {bool: _parse_bool, float: _parse_float, int: _parse_int, str: _parse_str}
+_KINDS = {bool: "a boolean", float: "a number", int: "an integer", str: "a string"}
+
+
+def _coerce(method: str, name: str, value: object) -> object:
+    """A value in the type of its default; strings (from the command line) are parsed."""
+    default = DRAFT_DEFAULTS[name] if name in DRAFT_DEFAULTS else METHODS[method][name]
+    try:
+        return _PARSERS[type(default)](value)
+    except (TypeError, ValueError):
+        kind = _KINDS[type(default)]
+        raise ValueError(f"{method}: {name} must be {kind}, got {value!r}") from None
+
+
+def make_config(method: str, params: Mapping[str, object], k: int, drafter: str) -> Config:
+    """A validated configuration: unknown methods, parameters or values raise ValueError."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    allowed = METHODS[method]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join([*allowed, *_DRAFT_KEYS]) if method not in NO_DRAFT else "nothing"
+        raise ValueError(f"{method} does not take {', '.join(unknown)} (it takes {takes})")
+    values = {name: _coerce(method, name, params.get(name, d)) for name, d in allowed.items()}
+    config = Config(method, tuple(sorted(values.items())))
+    try:
+        config.rule()  # raises on a bad value, e.g. a negative delta
+    except ValueError as err:
+        raise ValueError(f"{method}: {err}") from None
+    if method in NO_DRAFT:
+        return config
+    if k < 1:
+        raise ValueError(f"{method}: num_draft_tokens must be >= 1, got {k}")
+    if drafter not in DRAFTERS:
+        raise ValueError(f"{method}: drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    return Config(method, config.params, k, drafter)
+
+
+def expand(
+    entries: Iterable[Entry], ks: Sequence[int] | None = None, drafters: Sequence[str] = ("model",)
+) -> tuple[Config, ...]:
+    """Every configuration of every entry, in order, without duplicates."""
+    ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
+    configs: dict[str, Config] = {}
+    for method, lists in entries:
+        if method in NO_DRAFT and set(lists) & set(_DRAFT_KEYS):
+            raise ValueError(f"{method} drafts nothing: num_draft_tokens and drafter do not apply")
+        k_values = [_coerce(method, "num_draft_tokens", k) for k in lists.get(_DRAFT_KEYS[0], ks)]
+        drafter_values = [_coerce(method, "drafter", d) for d in lists.get("drafter", drafters)]
+        names = [name for name in lists if name not in _DRAFT_KEYS]
+        for combo in itertools.product(*(lists[name] for name in names), k_values, drafter_values):
+            *values, k, drafter = combo
+            config = make_config(method, dict(zip(names, values, strict=True)), k, drafter)
+            configs.setdefault(config.id, config)
+    if not configs:
+        raise ValueError("the grid holds no configuration")
+    return tuple(configs.values())
+
+
+def parse_entry(spec: str) -> Entry:
+    """``cactus:delta=0.5,1:exact=true`` -> ("cactus", {"delta": ["0.5", "1"], "exact": ...})."""
+    method, *pairs = spec.strip().split(":")
+    lists: dict[str, list] = {}
+    for pair in pairs:
+        name, sep, values = pair.partition("=")
+        if not sep or not name.strip() or not values.strip():
+            raise ValueError(f"method entry {spec!r}: expected KEY=V1,V2 after ':', got {pair!r}")
+        lists[name.strip()] = [v for v in values.split(",") if v.strip()]
+    return method.strip(), lists
+
+
+def parse_list(text: str) -> list[str]:
+    """A comma-separated command-line list: "4,6" -> ["4", "6"]."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise ValueError(f"expected a comma-separated list, got {text!r}")
+    return values
+
+
+def load_grid_file(path: str | Path) -> tuple[Config, ...]:
+    """Configurations from a TOML or JSON grid file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"grid file {path} does not exist")
+    raw = _read_structured(path)
+    unknown = sorted(set(raw) - {"methods", *_DRAFT_KEYS})
+    if unknown:
+        raise ValueError(f"grid file {path}: unknown keys {', '.join(unknown)}")
+    methods = raw.get("methods")
+    if not isinstance(methods, list) or not methods:
+        raise ValueError(f"grid file {path}: needs a non-empty list of [[methods]] entries")
+    entries = [_file_entry(entry, path) for entry in methods]
+    ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
+    return expand(entries, ks, _listed(raw.get("drafter", ["model"])))
+
+
+def _read_structured(path: Path) -> dict:
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        if path.suffix == ".toml":
+            return _toml().loads(text)
+    except ValueError as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"grid file {path}: {err}") from None
+    raise ValueError(f"grid file {path}: expected a .toml or .json file")
+
+
+def _toml():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def _file_entry(entry: object, path: Path) -> Entry:
+    if not isinstance(entry, dict) or not isinstance(entry.get("method"), str):
+        raise ValueError(f'grid file {path}: every [[methods]] entry needs method = "NAME"')
+    lists = {name: _listed(value) for name, value in entry.items() if name != "method"}
+    return entry["method"], lists
+
+
+def _listed(value: object) -> list:
+    return list(value) if isinstance(value, list) else [value]
+
+
+DEFAULT_ENTRIES: list[Entry] = [
+    ("ar", {}),
+    ("hf", {}),
+    ("hf_assisted", {}),
+    ("sps", {}),
+    ("tas", {"epsilon": [0.03, 0.09, 0.3]}),
+    ("interp", {}),
+    ("topk", {}),
+    ("cactus", {"delta": [0.25, 0.5, 0.75, 1.0, 2.0], "exact": [False, True]}),
+]
+QUICK_ENTRIES: list[Entry] = [
+    ("ar", {}),
+    ("hf", {}),
+    ("hf_assisted", {}),
+    ("sps", {}),
+    ("tas", {}),
+    ("cactus", {"delta": [1.0], "exact": [False, True]}),
+]

@@ -1,0 +1,52 @@
+"""What a run ran on: library versions, machine, threads, dtype and model identities."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+import cactus_spec
+from cactus_spec.models import LoadedModel, file_sha256
+
+
+def model_identity(loaded: LoadedModel | None) -> dict | None:
+    """Path and sha256 of a loaded model: of its GGUF file, else of its weight files
+    (a model directory), else None (a model object built in memory)."""
+    if loaded is None:
+        return None
+    sha = loaded.sha256
+    path = Path(loaded.identity)
+    if sha is None and path.is_dir():
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        sha = ",".join(file_sha256(w) for w in weights) or None
+    return {"path": loaded.identity, "sha256": sha}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    """Versions, machine and settings that timings depend on."""
+    accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "cactus_spec": cactus_spec.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "accelerator": accelerator,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }

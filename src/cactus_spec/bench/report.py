@@ -1,0 +1,185 @@
+"""A run's summary as markdown (summary.md): the setting, then one table for speed,
+acceptance and divergence, one for accuracy, and one for acceptance by draft position."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from cactus_spec.bench.store import write_text_atomic
+
+DASH = "-"
+
+
+def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return DASH if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _interval(values: Sequence[float] | None, digits: int = 2, suffix: str = "") -> str:
+    """[estimate, low, high] -> "1.23x [1.01, 1.40]"."""
+    if values is None:
+        return DASH
+    est, low, high = values
+    return f"{est:.{digits}f}{suffix} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _params(config: dict) -> str:
+    """{"delta": 0.5, "exact": True} -> "delta=0.5, exact=true"."""
+    text = ", ".join(f"{k}={json.dumps(v)}" for k, v in config["params"].items())
+    return text or DASH
+
+
+def _k(config: dict) -> str:
+    if not config["num_draft_tokens"]:
+        return DASH
+    return f"{config['num_draft_tokens']} ({config['drafter']})"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+SPEED_HEADER = (
+    "method",
+    "params",
+    "K",
+    "N",
+    "tokens/s (median)",
+    "speedup vs AR: median [min, max]",
+    "mean accepted",
+    "alpha",
+    "c",
+    "v",
+    "i.i.d. bound",
+    "measured / bound",
+    "time other",
+    "KL nats/token",
+    "KL nats/sequence",
+    "peak memory (GB)",
+)
+
+
+def _speed_row(c: dict) -> list[str]:
+    if not c["n"]:
+        return [c["method"], _params(c), _k(c), "0"] + [DASH] * (len(SPEED_HEADER) - 4)
+    ratio = c.get("measured_over_bound")
+    other = c["time_shares"]["other"] if "time_shares" in c else None
+    return [
+        c["method"],
+        _params(c),
+        _k(c),
+        str(c["n"]),
+        _num(c["tokens_per_s"]),
+        _interval(c["speedup"], suffix="x"),
+        _num(c.get("mean_accepted")),
+        _num(c.get("alpha"), 3),
+        _num(c.get("c"), 3),
+        _num(c.get("v"), 3),
+        _num(c.get("bound"), suffix="x"),
+        DASH if ratio is None else f"{ratio:.0%}",
+        DASH if other is None else f"{other:.0%}",
+        _num(c.get("kl_nats_per_token"), 4),
+        _num(c.get("kl_nats_per_sequence"), 3),
+        _num(c["peak_memory_bytes"] / 1e9),
+    ]
+
+
+def speed_table(configs: Sequence[dict]) -> list[str]:
+    """Speed, acceptance, bound, divergence and memory, one row per configuration."""
+    return _table(SPEED_HEADER, [_speed_row(c) for c in configs])
+
+
+def accuracy_table(configs: Sequence[dict]) -> list[str]:
+    """Accuracy with its Wilson interval, and the paired difference from the verifier."""
+    header = [
+        "method",
+        "params",
+        "K",
+        "correct / N",
+        "accuracy [95% Wilson]",
+        "difference vs AR [95% paired Newcombe]",
+    ]
+    rows = [
+        [
+            c["method"],
+            _params(c),
+            _k(c),
+            f"{c['correct']} / {c['n']}",
+            _interval(c["accuracy"], 3),
+            _interval(c["difference_vs_ar"], 3),
+        ]
+        for c in configs
+        if c["n"]
+    ]
+    return _table(header, rows)
+
+
+def position_table(configs: Sequence[dict]) -> list[str]:
+    """Acceptance rate at each draft position (given the chain reached it)."""
+    drafting = [c for c in configs if c.get("acceptance_by_position")]
+    width = max((len(c["acceptance_by_position"]) for c in drafting), default=0)
+    header = ["method", "params", "K", *(str(j + 1) for j in range(width))]
+    rows = [
+        [c["method"], _params(c), _k(c)]
+        + [_num(a) for a in c["acceptance_by_position"]]
+        + [DASH] * (width - len(c["acceptance_by_position"]))
+        for c in drafting
+    ]
+    return _table(header, rows)
+
+
+def _setting(summary: dict) -> list[str]:
+    run, env = summary["run"], summary["environment"]
+    models = run["models"]
+    lines = [f"- Task: `{run['task']['name']}`, N = {summary['n_items']} items."]
+    for role in ("target", "draft"):
+        model = models.get(role)
+        if model:
+            sha = f" (sha256 `{model['sha256']}`)" if model["sha256"] else ""
+            lines.append(f"- {role.capitalize()}: `{model['path']}`{sha}.")
+    s = run["sampling"]
+    lines += [
+        f"- Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}; "
+        f"max new tokens {run['max_new_tokens']}; seed {run['seed']} (+ item index).",
+        f"- Machine: {env['cpu']}"
+        + (f", {env['accelerator']}" if env["accelerator"] else "")
+        + f"; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
+        f"torch {env['torch']}, transformers {env['transformers']}, "
+        f"cactus-spec {env['cactus_spec']}, Python {env['python']}.",
+    ]
+    return lines
+
+
+def render(summary: dict) -> str:
+    """The whole summary.md."""
+    configs = summary["configs"]
+    lines = [f"# cactus-spec bench: {summary['run']['task']['name']}", "", *_setting(summary)]
+    lines += ["", "## Speed, acceptance and divergence", "", *speed_table(configs)]
+    if summary["scored"]:
+        lines += ["", "## Accuracy", "", *accuracy_table(configs)]
+    lines += ["", "## Acceptance rate by draft position", "", *position_table(configs)]
+    lines += ["", "## Notes", ""] + [f"- {note}" for note in summary["notes"] + _legend()]
+    return "\n".join(lines) + "\n"
+
+
+def _legend() -> list[str]:
+    return [
+        "Speedup: per-item tokens/s over the verifier alone (ar) on the same item; "
+        "configurations alternate item by item.",
+        "alpha: accepted / reached drafts, pooled; c, v: draft time per drafted token and "
+        "verifier time per iteration, in verifier AR steps; i.i.d. bound "
+        "(1 - alpha^(K+1)) / ((1 - alpha)(K c + v)) with K the mean drafts per iteration.",
+        "Time other: the share of wall time outside model forwards (sampling, verification, "
+        "the divergence meter, Python); the main reason a measured speedup trails its bound.",
+        "KL: the divergence meter, an unbiased estimate of KL(method || verifier).",
+        "Peak memory: on CPU, the process's peak resident set (models included) while the "
+        "configuration ran; on CUDA, peak allocated device memory.",
+    ]
+
+
+def write_markdown(path: Path, summary: dict) -> None:
+    """Write summary.md atomically."""
+    write_text_atomic(path, render(summary))

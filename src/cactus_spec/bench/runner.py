@@ -1,0 +1,226 @@
+"""The benchmark loop: every configuration on every item, side by side.
+
+Items form the outer loop and configurations the inner one, in reverse order on odd
+items, so slow drift of the machine (thermal, background load) hits every configuration
+alike and cancels in the per-item speed ratios. Each (configuration, item) result is
+appended to results.jsonl as soon as it exists; a rerun skips those already there.
+Models are loaded once by the caller; each configuration gets its own decoder over them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from cactus_spec.bench import memory
+from cactus_spec.bench.grid import Config
+from cactus_spec.bench.peers import hf_generate
+from cactus_spec.bench.plots import write_plots
+from cactus_spec.bench.provenance import environment, model_identity
+from cactus_spec.bench.report import write_markdown
+from cactus_spec.bench.store import RunDirectory, write_json_atomic
+from cactus_spec.bench.summary import summarise
+from cactus_spec.bench.tasks import Item, TaskSpec, extract_answer, is_correct
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.models import LoadedModel
+from cactus_spec.sampling import SamplingConfig
+
+Job = tuple[int, Item, Config]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything but the models that defines a run."""
+
+    task: TaskSpec
+    grid: tuple[Config, ...]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not self.grid:
+            raise ValueError("the grid holds no configuration")
+
+    @property
+    def needs_draft(self) -> bool:
+        """Whether some configuration drafts with the draft model."""
+        return any(c.drafts and c.drafter == "model" for c in self.grid)
+
+    def item_seed(self, index: int) -> int:
+        """The sampling seed of item ``index``, the same for every configuration."""
+        return self.seed + index
+
+    def identity(self, target: LoadedModel, draft: LoadedModel | None) -> dict:
+        """What results must share to be comparable (see ``store``)."""
+        model = target.model
+        task = {"name": self.task.name, "n": self.task.n, "seed": self.task.seed}
+        if self.task.path is not None:
+            data = Path(self.task.path).read_bytes()
+            task |= {"path": self.task.path, "sha256": hashlib.sha256(data).hexdigest()}
+        env = environment(model.device, model.dtype)
+        return {
+            "task": task,
+            "grid": [c.id for c in self.grid],
+            "sampling": asdict(self.sampling),
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+            "models": {"target": model_identity(target), "draft": model_identity(draft)},
+            "setup": {key: env[key] for key in ("device", "dtype", "threads")},
+        }
+
+
+def schedule(
+    items: Sequence[Item], grid: Sequence[Config], done: set[tuple[str, str]]
+) -> list[Job]:
+    """(index, item, configuration) in run order: items outside, configurations inside,
+    reversed on odd items; pairs already done are left out."""
+    jobs = []
+    for index, item in enumerate(items):
+        order = grid if index % 2 == 0 else list(reversed(grid))
+        jobs += [(index, item, c) for c in order if (c.id, item.id) not in done]
+    return jobs
+
+
+class Runner:
+    """Runs jobs on loaded models and records one row per (configuration, item)."""
+
+    def __init__(
+        self,
+        settings: BenchSettings,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        store: RunDirectory,
+    ) -> None:
+        if settings.needs_draft and draft is None:
+            raise ValueError("the grid drafts with a draft model, but none was given")
+        self.settings = settings
+        self.target = target
+        self.draft = draft
+        self.store = store
+        self.encoder = SpeculativeDecoder(target, None)
+        self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
+        self._prompt_ids: dict[str, list[int]] = {}
+
+    def _decoder(self, config: Config) -> SpeculativeDecoder:
+        if not config.drafts:
+            return SpeculativeDecoder(self.target, None)
+        draft = self.draft if config.drafter == "model" else None
+        return SpeculativeDecoder(
+            self.target, draft, config.rule(), config.num_draft_tokens, config.drafter
+        )
+
+    def prompt_ids(self, item: Item) -> list[int]:
+        """The item's prompt as ids (chat template applied to text), shared by every method."""
+        if item.id not in self._prompt_ids:
+            self._prompt_ids[item.id] = self.encoder.encode(item.prompt, chat=True)
+        return self._prompt_ids[item.id]
+
+    def run(self, items: Sequence[Item], progress: bool = True) -> int:
+        """Run every pending job; return how many ran."""
+        jobs = schedule(items, self.settings.grid, self.store.finished())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+            task = bar.add_task("bench", total=len(jobs))
+            for index, item, config in jobs:
+                bar.update(task, description=f"{config.label} | {item.id}")
+                self.store.append(self.run_one(index, item, config))
+                bar.advance(task)
+        return len(jobs)
+
+    def run_one(self, index: int, item: Item, config: Config) -> dict:
+        """Generate for one item with one configuration and score it."""
+        ids = self.prompt_ids(item)
+        seed = self.settings.item_seed(index)
+        device = self.target.model.device
+        memory.reset_peak(device)
+        measured = self._generate(config, ids, seed)
+        row = {
+            "config": config.id,
+            "item": item.id,
+            "index": index,
+            "seed": seed,
+            "method": config.method,
+            "prompt_tokens": len(ids),
+            **measured,
+            "peak_memory_bytes": memory.peak_bytes(device),
+        }
+        text = row.get("text")
+        if item.answer is not None and text is not None:
+            row |= {"prediction": extract_answer(text), "correct": is_correct(text, item.answer)}
+        return row
+
+    def _generate(self, config: Config, ids: list[int], seed: int) -> dict:
+        """Token ids, text and statistics of one generation."""
+        s = self.settings
+        if config.engine:
+            result = self.decoders[config.id].generate(
+                ids,
+                s.max_new_tokens,
+                temperature=s.sampling.temperature,
+                top_k=s.sampling.top_k,
+                top_p=s.sampling.top_p,
+                seed=seed,
+                chat=False,
+            )
+            if result.interrupted:  # the engine turns Ctrl-C into a partial result
+                raise KeyboardInterrupt
+            return {**result.stats.as_dict(), "token_ids": result.token_ids, "text": result.text}
+        peer = hf_generate(config, self.target, self.draft, ids, s.max_new_tokens, s.sampling, seed)
+        count = len(peer.token_ids)
+        return {
+            "new_tokens": count,
+            "time_total_s": peer.seconds,
+            "tokens_per_s": count / peer.seconds if peer.seconds else 0.0,
+            "token_ids": peer.token_ids,
+            "text": self._decode(peer.token_ids),
+        }
+
+    def _decode(self, token_ids: list[int]) -> str | None:
+        tokenizer = self.target.tokenizer
+        return None if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def run_bench(
+    settings: BenchSettings,
+    items: Sequence[Item],
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    out: str | Path,
+    progress: bool = True,
+) -> dict:
+    """Run (or resume) a benchmark into ``out`` and write its summaries and plots.
+
+    Returns the summary (also in summary.json). Refuses an ``out`` holding another run.
+    """
+    identity = settings.identity(target, draft)
+    store = RunDirectory(out, identity)
+    Runner(settings, target, draft, store).run(items, progress)
+    model = target.model
+    meta = {"run": identity, "environment": environment(model.device, model.dtype)}
+    summary = summarise(store.rows(), settings.grid, items, meta)
+    write_json_atomic(store.path / "summary.json", summary)
+    write_markdown(store.path / "summary.md", summary)
+    write_plots(store.path, summary)
+    return summary

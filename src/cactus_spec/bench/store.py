@@ -1,0 +1,129 @@
+"""The run directory: its identity (run.json), the results log (results.jsonl) and atomic
+writes of everything derived from them.
+
+A run's identity is what makes its results comparable: the grid, the task, the seeds,
+the sampling settings and the models (path and sha256). A rerun into the same directory
+with the same identity skips the (configuration, item) pairs already in results.jsonl;
+one with a different identity is refused before anything is written. Only the number of
+items may change (items come in a fixed order, so a larger N extends the same run), and
+the path of the prompt file (its content must not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+RUN_FILE = "run.json"
+RESULTS_FILE = "results.jsonl"
+#: Identity keys that may differ between runs into one directory: the number of items,
+#: and where the prompt file lies (its sha256 is what must match).
+MUTABLE_KEYS = ("task.n", "task.path")
+
+
+class RunMismatchError(ValueError):
+    """The output directory holds results of a different run."""
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; it replaces ``path`` on success."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def flatten(data: object, prefix: str = "") -> dict[str, object]:
+    """Nested dicts as dotted keys: {"a": {"b": 1}} -> {"a.b": 1}; lists stay whole."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        flat |= flatten(value, f"{prefix}.{key}" if prefix else str(key))
+    return flat
+
+
+def differing_keys(old: dict, new: dict) -> list[str]:
+    """Dotted keys whose values differ (or exist on one side only)."""
+    a, b = flatten(old), flatten(new)
+    return sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
+
+
+class RunDirectory:
+    """An output directory bound to one run identity."""
+
+    def __init__(self, path: str | Path, identity: dict) -> None:
+        self.path = Path(path)
+        self.results = self.path / RESULTS_FILE
+        self._check(identity)
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path / RUN_FILE, identity)
+        self._end_last_line()
+
+    def _check(self, identity: dict) -> None:
+        """Refuse a directory that holds another run's results."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunMismatchError(f"output path {self.path} exists and is not a directory")
+        run_file = self.path / RUN_FILE
+        if not run_file.exists():
+            if self.results.exists():
+                raise RunMismatchError(
+                    f"{self.path} holds {RESULTS_FILE} but no {RUN_FILE}; use a new directory"
+                )
+            return
+        try:
+            old = json.loads(run_file.read_text())
+        except json.JSONDecodeError:
+            raise RunMismatchError(f"{run_file} is not valid JSON; use a new directory") from None
+        differ = [key for key in differing_keys(old, identity) if key not in MUTABLE_KEYS]
+        if differ:
+            raise RunMismatchError(
+                f"{self.path} holds results of a different run (differs in: "
+                f"{', '.join(differ)}); use a new output directory, nothing was overwritten"
+            )
+
+    def _end_last_line(self) -> None:
+        """After an interrupted write, start the next record on a line of its own."""
+        if self.results.exists() and self.results.stat().st_size:
+            with self.results.open("rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+
+    def rows(self) -> list[dict]:
+        """Every complete record in results.jsonl (a line cut short by a crash is skipped)."""
+        if not self.results.exists():
+            return []
+        rows = []
+        for line in self.results.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def finished(self) -> set[tuple[str, str]]:
+        """The (configuration id, item id) pairs already recorded."""
+        return {(row["config"], row["item"]) for row in self.rows()}
+
+    def append(self, row: dict) -> None:
+        """Add one record and flush it to disk before returning."""
+        with self.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,160 @@
+"""Per-configuration figures from the rows of a run.
+
+Speed: tokens/s per item, and the speedup as the per-item ratio to the verifier alone
+(``ar``) on the same item: median [min, max]. Acceptance and divergence are pooled over
+items: alpha = accepted / reached, mean accepted = accepted / iterations, KL per token =
+sum of KL / sum of new tokens, KL per sequence = mean over items. Accuracy: Wilson
+interval, and the paired difference from ``ar`` on the items both ran (``stats``), when
+the items have answers and the model a tokenizer (rows then carry ``correct``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from cactus_spec.bench.bound import measured_bound
+from cactus_spec.bench.grid import Config
+from cactus_spec.bench.stats import median_spread, paired_difference, wilson
+from cactus_spec.bench.tasks import Item
+
+_SUMMED = ("iterations", "drafted", "accepted", "new_tokens", "kl_nats")
+_SUMMED_TIMES = ("time_draft_s", "time_verify_s", "time_total_s")
+
+Rows = dict[str, dict]  # item id -> row
+
+
+def _totals(rows: Rows) -> dict:
+    """Sums over items of the engine's counters, timers and per-position counts."""
+    totals = {key: sum(r[key] for r in rows.values()) for key in _SUMMED + _SUMMED_TIMES}
+    width = max(len(r["reached_by_position"]) for r in rows.values())
+    for key in ("reached_by_position", "accepted_by_position"):
+        totals[key] = [sum(_at(r[key], j) for r in rows.values()) for j in range(width)]
+    totals["reached"] = sum(totals["reached_by_position"])
+    return totals
+
+
+def _at(values: list[int], j: int) -> int:
+    return values[j] if j < len(values) else 0
+
+
+def _shares(totals: dict) -> dict[str, float]:
+    """Fractions of the wall time spent in draft forwards, verifier forwards and the rest
+    (sampling, verification, the divergence meter, Python)."""
+    total = totals["time_total_s"] or 1.0
+    draft, verify = totals["time_draft_s"] / total, totals["time_verify_s"] / total
+    return {"draft": draft, "verify": verify, "other": max(0.0, 1 - draft - verify)}
+
+
+def _speed(rows: Rows, ar: Rows | None) -> dict:
+    out = {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows.values()),
+        "new_tokens_mean": statistics.mean(r["new_tokens"] for r in rows.values()),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows.values()),
+        "speedup": None,
+    }
+    shared = [i for i in rows if ar and i in ar and ar[i]["tokens_per_s"] > 0]
+    if shared:
+        ratios = [rows[i]["tokens_per_s"] / ar[i]["tokens_per_s"] for i in shared]
+        out["speedup"] = median_spread(ratios).as_list()
+    return out
+
+
+def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
+    """Acceptance, time shares, divergence and the i.i.d. bound of an engine method."""
+    totals = _totals(rows)
+    out = {
+        "iterations": totals["iterations"],
+        "tokens_per_iteration": totals["new_tokens"] / max(1, totals["iterations"]),
+        "time_shares": _shares(totals),
+        "kl_nats_per_token": totals["kl_nats"] / max(1, totals["new_tokens"]),
+        "kl_nats_per_sequence": statistics.mean(r["kl_nats"] for r in rows.values()),
+    }
+    if not config.drafts:
+        return out
+    reached, accepted = totals["reached_by_position"], totals["accepted_by_position"]
+    out |= {
+        "mean_accepted": totals["accepted"] / max(1, totals["iterations"]),
+        "acceptance_by_position": [
+            a / r if r else None for a, r in zip(accepted, reached, strict=True)
+        ],
+        "alpha": totals["accepted"] / max(1, totals["reached"]),
+    }
+    ar_rows = [ar[i] for i in rows if ar and i in ar]
+    if ar_rows:
+        ar_step_s = sum(r["time_verify_s"] for r in ar_rows) / sum(r["iterations"] for r in ar_rows)
+        bound = measured_bound(totals, ar_step_s)
+        out |= {"k_effective": bound.k, "c": bound.c, "v": bound.v, "bound": bound.speedup}
+    return out
+
+
+def _accuracy(config: Config, rows: Rows, ar: Rows | None) -> dict:
+    outcomes = [bool(r["correct"]) for r in rows.values()]
+    out = {
+        "correct": sum(outcomes),
+        "accuracy": wilson(sum(outcomes), len(outcomes)).as_list(),
+        "difference_vs_ar": None,
+    }
+    shared = [i for i in rows if ar and i in ar]
+    if shared and config.method != "ar":
+        mine = [bool(rows[i]["correct"]) for i in shared]
+        theirs = [bool(ar[i]["correct"]) for i in shared]
+        out["difference_vs_ar"] = paired_difference(mine, theirs).as_list()
+    return out
+
+
+def summarise_config(config: Config, rows: Rows, ar: Rows | None, scored: bool) -> dict:
+    """Every figure of one configuration; ``ar``: the verifier-alone rows by item."""
+    out = {**config.as_dict(), "n": len(rows)}
+    if not rows:
+        return out
+    out |= _speed(rows, ar)
+    if config.engine:
+        out |= _engine(config, rows, ar)
+    if scored:
+        out |= _accuracy(config, rows, ar)
+    if out.get("bound") and out["speedup"]:
+        out["measured_over_bound"] = out["speedup"][0] / out["bound"]
+    return out
+
+
+def summarise(
+    rows: Sequence[dict], grid: Sequence[Config], items: Sequence[Item], meta: dict
+) -> dict:
+    """The summary of a run: ``meta`` (identity, environment) and one entry per configuration.
+
+    Only rows of the grid's configurations on the current items count.
+    """
+    wanted = {item.id for item in items}
+    by_config: dict[str, Rows] = {c.id: {} for c in grid}
+    for row in rows:
+        if row["config"] in by_config and row["item"] in wanted:
+            by_config[row["config"]][row["item"]] = row
+    reference = next((c.id for c in grid if c.method == "ar"), None)
+    ar = by_config[reference] if reference else None
+    scored = any("correct" in row for rows in by_config.values() for row in rows.values())
+    return {
+        **meta,
+        "n_items": len(items),
+        "scored": scored,
+        "reference": reference,
+        "configs": [summarise_config(c, by_config[c.id], ar, scored) for c in grid],
+        "notes": _notes(grid, reference),
+    }
+
+
+def _notes(grid: Sequence[Config], reference: str | None) -> list[str]:
+    notes = []
+    if reference is None:
+        notes.append("No `ar` configuration in the grid: speedups and bounds are not available.")
+    if any(c.method == "hf_assisted" and c.drafter == "ngram" for c in grid):
+        notes.append(
+            "hf_assisted with the n-gram drafter is Hugging Face's prompt lookup decoding "
+            "(prompt_lookup_num_tokens = K)."
+        )
+    if any(c.method in ("hf", "hf_assisted") for c in grid):
+        notes.append(
+            "Hugging Face rows report speed (and accuracy) only: generate() does not expose "
+            "acceptance counts or forward-pass timings."
+        )
+    return notes

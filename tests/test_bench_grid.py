@@ -1,0 +1,130 @@
+"""Grids from the command line and from files; bad methods, parameters and values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cactus_spec.bench.grid import (
+    DEFAULT_ENTRIES,
+    Config,
+    expand,
+    load_grid_file,
+    make_config,
+    parse_entry,
+    parse_list,
+)
+from cactus_spec.rules import Cactus
+
+
+def ids(configs: tuple[Config, ...]) -> list[str]:
+    return [c.id for c in configs]
+
+
+def test_cli_entries_expand_to_the_product() -> None:
+    entries = [parse_entry("ar"), parse_entry("cactus:delta=0.5,1:exact=false,true")]
+    grid = expand(entries, parse_list("4,6"), parse_list("model"))
+    assert ids(grid) == ["ar"] + [
+        f"cactus(delta={d},exact={e})/K{k}/model"
+        for d in ("0.5", "1.0")
+        for e in ("false", "true")
+        for k in (4, 6)
+    ]
+    assert grid[-1].rule() == Cactus(1.0, exact=True)
+    assert grid[0].num_draft_tokens == 0 and grid[0].drafter is None
+
+
+def test_entry_overrides_and_duplicates() -> None:
+    grid = expand([parse_entry("sps:drafter=ngram:num_draft_tokens=3"), parse_entry("ar")] * 2)
+    assert ids(grid) == ["sps/K3/ngram", "ar"]
+
+
+def test_default_grid_covers_the_issue() -> None:
+    grid = ids(expand(DEFAULT_ENTRIES))
+    assert {"ar", "hf", "hf_assisted/K6/model", "sps/K6/model"} <= set(grid)
+    assert "tas(alpha=0.3,epsilon=0.09)/K6/model" in grid
+    assert sum(i.startswith("cactus(") for i in grid) == 10
+
+
+def test_toml_and_json_files_give_the_same_grid(tmp_path) -> None:
+    toml = tmp_path / "g.toml"
+    toml.write_text(
+        'num_draft_tokens = [4]\ndrafter = "ngram"\n'
+        '[[methods]]\nmethod = "ar"\n'
+        '[[methods]]\nmethod = "tas"\nalpha = [0.1, 0.3]\n'
+        '[[methods]]\nmethod = "cactus"\ndelta = 0.5\nexact = true\nnum_draft_tokens = [2]\n'
+    )
+    data = {
+        "num_draft_tokens": [4],
+        "drafter": "ngram",
+        "methods": [
+            {"method": "ar"},
+            {"method": "tas", "alpha": [0.1, 0.3]},
+            {"method": "cactus", "delta": 0.5, "exact": True, "num_draft_tokens": [2]},
+        ],
+    }
+    json_path = tmp_path / "g.json"
+    json_path.write_text(json.dumps(data))
+    expected = [
+        "ar",
+        "tas(alpha=0.1,epsilon=0.09)/K4/ngram",
+        "tas(alpha=0.3,epsilon=0.09)/K4/ngram",
+        "cactus(delta=0.5,exact=true)/K2/ngram",
+    ]
+    assert ids(load_grid_file(toml)) == expected
+    assert ids(load_grid_file(json_path)) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("bogus", "method must be one of ar, sps, cactus, tas, interp, topk, hf, hf_assisted"),
+        ("cactus:foo=1", "cactus does not take foo"),
+        ("hf:alpha=0.1", "hf does not take alpha"),
+        ("cactus:delta=-1", "cactus: delta must be a finite number >= 0"),
+        ("cactus:delta=abc", "cactus: delta must be a number"),
+        ("cactus:exact=maybe", "cactus: exact must be a boolean"),
+        ("topk:k=2.5", "topk: k must be an integer"),
+        ("tas:epsilon=2", r"tas: epsilon must be a number in \[0, 1\]"),
+        ("sps:num_draft_tokens=0", "num_draft_tokens must be >= 1"),
+        ("sps:drafter=oracle", "drafter must be one of model, ngram"),
+        ("ar:num_draft_tokens=4", "ar drafts nothing"),
+        ("cactus:delta", "expected KEY=V1,V2"),
+    ],
+)
+def test_bad_entries_are_refused(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        expand([parse_entry(spec)])
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "message"),
+    [
+        ('[[methods]]\nmethod = "sps"\n[extra]\n', ".toml", "unknown keys extra"),
+        ("num_draft_tokens = [4]\n", ".toml", "non-empty list of"),
+        ("[[methods]]\ndelta = 1.0\n", ".toml", 'needs method = "NAME"'),
+        ("[[methods]\n", ".toml", "grid file"),
+        ("{}", ".yaml", "expected a .toml or .json file"),
+    ],
+)
+def test_bad_grid_files_are_refused(tmp_path, content: str, suffix: str, message: str) -> None:
+    path = tmp_path / f"grid{suffix}"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_grid_file(path)
+
+
+def test_values_are_typed_so_ids_are_stable() -> None:
+    a = make_config("cactus", {"delta": "1"}, 6, "model")
+    b = make_config("cactus", {"delta": 1.0, "exact": False}, 6, "model")
+    assert a == b and a.id == "cactus(delta=1.0,exact=false)/K6/model"
+    assert a.label == "cactus d=1.0 K6"
+
+
+def test_shipped_grid_files_parse() -> None:
+    grids = sorted((Path(__file__).parents[1] / "benchmarks" / "grids").glob("*.toml"))
+    assert grids
+    for path in grids:
+        assert load_grid_file(path)

@@ -1,0 +1,227 @@
+"""The harness end to end on tiny random-weight models: every output file, one row per
+(configuration, item), resume without rework, and refusal of a directory of another run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_lm
+
+from cactus_spec.bench.grid import expand, parse_entry
+from cactus_spec.bench.plots import write_plots
+from cactus_spec.bench.runner import BenchSettings, run_bench, schedule
+from cactus_spec.bench.store import RESULTS_FILE, RUN_FILE, RunMismatchError
+from cactus_spec.bench.tasks import Item, TaskSpec, load_items
+from cactus_spec.cli import main
+from cactus_spec.models import LoadedModel, load_model
+
+GRID = [
+    "ar",
+    "hf",
+    "hf_assisted",
+    "hf_assisted:drafter=ngram",
+    "sps",
+    "tas",
+    "cactus:exact=false,true",
+    "sps:drafter=ngram",
+]
+OUTPUTS = [
+    RESULTS_FILE,
+    RUN_FILE,
+    "summary.json",
+    "summary.md",
+    "accuracy_vs_acceptance.png",
+    "cactus_delta.png",
+    "acceptance_by_position.png",
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LoadedModel, LoadedModel]:
+    return load_model(make_tiny_lm(seed=0)), load_model(make_tiny_lm(seed=1, num_layers=1))
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    base = [5, 17, 3, 99, 42, 7, 17, 3]
+    path.write_text("".join(json.dumps({"prompt": base[: 3 + i]}) + "\n" for i in range(4)))
+    return path
+
+
+def settings(prompts: Path, n: int | None = 2, grid=GRID, tokens: int = 8) -> BenchSettings:
+    entries = [parse_entry(spec) for spec in grid]
+    return BenchSettings(
+        TaskSpec("prompts", n, path=str(prompts)), expand(entries, [3]), max_new_tokens=tokens
+    )
+
+
+def run(config: BenchSettings, models, out: Path) -> dict:
+    return run_bench(config, load_items(config.task), *models, out, progress=False)
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / RESULTS_FILE).read_text().splitlines()]
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_run_writes_every_file_and_one_row_per_pair(models, prompts, tmp_path) -> None:
+    config = settings(prompts)
+    assistant = models[1].model.generation_config
+    before = (assistant.num_assistant_tokens, assistant.num_assistant_tokens_schedule)
+    summary = run(config, models, tmp_path / "out")
+    assert (assistant.num_assistant_tokens, assistant.num_assistant_tokens_schedule) == before
+    for name in OUTPUTS:
+        assert (tmp_path / "out" / name).is_file(), name
+    for name in OUTPUTS[-3:]:
+        assert (tmp_path / "out" / name).read_bytes().startswith(PNG_MAGIC)
+    rows = lines(tmp_path / "out")
+    assert sorted((r["config"], r["item"]) for r in rows) == sorted(
+        (c.id, item) for c in config.grid for item in ("line1", "line2")
+    )
+    by_id = {c["id"]: c for c in summary["configs"]}
+    assert by_id["ar"]["speedup"] == [1.0, 1.0, 1.0]
+    assert by_id["sps/K3/model"]["kl_nats_per_token"] == 0.0
+    assert by_id["sps/K3/model"]["bound"] > 0
+    assert by_id["cactus(delta=1.0,exact=true)/K3/model"]["kl_nats_per_token"] >= 0
+    assert by_id["hf"]["tokens_per_s"] > 0 and "mean_accepted" not in by_id["hf"]
+    env = json.loads((tmp_path / "out" / "summary.json").read_text())["environment"]
+    assert {"torch", "transformers", "cactus_spec", "device", "dtype", "threads"} <= set(env)
+    assert "| sps | - | 3 (model) | 2 |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_rerun_skips_finished_items_and_larger_n_extends(models, prompts, tmp_path) -> None:
+    out = tmp_path / "out"
+    run(settings(prompts), models, out)
+    before = (out / RESULTS_FILE).read_bytes()
+    run(settings(prompts), models, out)
+    assert (out / RESULTS_FILE).read_bytes() == before  # nothing ran again
+    summary = run(settings(prompts, n=3), models, out)
+    new = lines(out)[before.count(b"\n") :]
+    assert {r["item"] for r in new} == {"line3"} and len(new) == len(settings(prompts).grid)
+    assert summary["n_items"] == 3
+
+
+def test_interrupted_run_resumes_where_it_stopped(models, prompts, tmp_path) -> None:
+    out = tmp_path / "out"
+    run(settings(prompts), models, out)
+    full = (out / RESULTS_FILE).read_text().splitlines()
+    # Keep three records and half of the fourth, as a crash mid-write would.
+    (out / RESULTS_FILE).write_text("\n".join(full[:3]) + "\n" + full[3][: len(full[3]) // 2])
+    run(settings(prompts), models, out)
+    raw = (out / RESULTS_FILE).read_text().splitlines()
+    assert raw[:3] == full[:3] and raw[3] == full[3][: len(full[3]) // 2]  # nothing rewritten
+    rows = [json.loads(line) for line in raw[:3] + raw[4:]]
+    pairs = [(r["config"], r["item"]) for r in rows]
+    assert len(pairs) == len(set(pairs)) == len(full)  # each pair once, none lost
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [
+        ({"grid": ["ar", "sps"]}, "grid"),
+        ({"tokens": 9}, "max_new_tokens"),
+    ],
+)
+def test_directory_of_another_run_is_refused(models, prompts, tmp_path, change, differs) -> None:
+    out = tmp_path / "out"
+    run(settings(prompts), models, out)
+    before = snapshot(out)
+    with pytest.raises(RunMismatchError, match=f"differs in: {differs}"):
+        run(settings(prompts, **change), models, out)
+    assert snapshot(out) == before
+
+
+def test_other_models_are_refused(models, prompts, tmp_path) -> None:
+    out = tmp_path / "out"
+    config = settings(prompts, grid=["ar"])
+    run(config, models, out)
+    other = load_model(make_tiny_lm(seed=2))
+    other.identity, other.sha256 = "elsewhere", "f" * 64
+    with pytest.raises(RunMismatchError, match="models.target.path, models.target.sha256"):
+        run(config, (other, None), out)
+
+
+def test_results_without_run_file_are_refused(models, prompts, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / RESULTS_FILE).write_text('{"config": "ar", "item": "x"}\n')
+    with pytest.raises(RunMismatchError, match="no run.json"):
+        run(settings(prompts), models, out)
+    assert not (out / RUN_FILE).exists()
+
+
+def test_schedule_alternates_and_skips_done() -> None:
+    items = [Item(f"i{n}", "x") for n in range(3)]
+    grid = expand([parse_entry("ar"), parse_entry("sps"), parse_entry("tas")])
+    order = [(i.id, c.method) for _, i, c in schedule(items, grid, {("ar", "i2")})]
+    assert order == [
+        ("i0", "ar"), ("i0", "sps"), ("i0", "tas"),
+        ("i1", "tas"), ("i1", "sps"), ("i1", "ar"),
+        ("i2", "sps"), ("i2", "tas"),
+    ]  # fmt: skip
+
+
+def scored_summary() -> dict:
+    config = {"params": {}, "num_draft_tokens": 0, "drafter": None, "n": 20}
+    cactus = {
+        **config,
+        "id": "c", "label": "cactus d=1.0 K6", "method": "cactus", "num_draft_tokens": 6,
+        "drafter": "model", "params": {"delta": 1.0, "exact": False}, "mean_accepted": 2.5,
+        "accuracy": [0.55, 0.34, 0.74], "speedup": [1.4, 1.2, 1.6], "kl_nats_per_token": 0.01,
+        "acceptance_by_position": [0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
+    }  # fmt: skip
+    ar = {**config, "id": "ar", "label": "ar", "method": "ar", "accuracy": [0.6, 0.39, 0.78]}
+    return {"scored": True, "reference": "ar", "n_items": 20, "configs": [ar, cactus]}
+
+
+def test_plots_are_png_files(tmp_path) -> None:
+    paths = write_plots(tmp_path, scored_summary())
+    assert [p.name for p in paths] == OUTPUTS[-3:]
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(OUTPUTS[-3:])  # no temp files
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "mmlu"], "task must be one of gsm, humaneval, prompts"),
+        (["--method", "bogus"], "method must be one of"),
+        (["--method", "cactus:gamma=1"], "cactus does not take gamma"),
+        (["--method", "cactus:delta=-1"], "delta must be a finite number >= 0"),
+        (["--num-draft-tokens", "0"], "num_draft_tokens must be >= 1"),
+        (["--grid", "g.toml", "--method", "ar"], "--grid takes methods"),
+        (["--top-p", "2"], r"top_p must be in \(0, 1\]"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--task", "gsm", "--prompts", "p.jsonl"], "prompts task only"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+def test_cli_empty_prompt_file(tmp_path, capsys) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["bench", "--prompts", str(empty), "--out", str(tmp_path / "out")]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

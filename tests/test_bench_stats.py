@@ -1,0 +1,70 @@
+"""Intervals and the speedup bound against known values."""
+
+from __future__ import annotations
+
+import pytest
+
+from cactus_spec.bench.bound import iid_speedup_bound, measured_bound
+from cactus_spec.bench.stats import median_spread, paired_difference, wilson
+
+
+def table(both: int, only_a: int, only_b: int, neither: int) -> tuple[list[bool], list[bool]]:
+    """Paired outcomes (a, b) from the four cells of a 2x2 table."""
+    a = [True] * (both + only_a) + [False] * (only_b + neither)
+    b = [True] * both + [False] * only_a + [True] * only_b + [False] * neither
+    return a, b
+
+
+def test_wilson_known_values() -> None:
+    assert wilson(8, 10).as_list() == pytest.approx([0.8, 0.4902, 0.9433], abs=5e-5)
+    assert wilson(0, 10).low == pytest.approx(0.0)
+    assert wilson(0, 10).high == pytest.approx(0.2775, abs=5e-5)
+    assert wilson(10, 10).high == pytest.approx(1.0)
+
+
+def test_wilson_refuses_impossible_counts() -> None:
+    with pytest.raises(ValueError, match="successes"):
+        wilson(3, 2)
+    with pytest.raises(ValueError, match="n > 0"):
+        wilson(0, 0)
+
+
+def test_paired_difference_matches_newcombe_square_and_add() -> None:
+    # Cavo et al. (2012), Fagerland et al. "Statistical Analysis of Contingency Tables",
+    # chapter 8: estimate -0.0621, 95% CI -0.1186 to -0.0046.
+    interval = paired_difference(*table(59, 6, 16, 80))
+    assert interval.as_list() == pytest.approx([-0.0621, -0.1186, -0.0046], abs=5e-5)
+
+
+def test_paired_difference_is_antisymmetric_and_zero_when_outcomes_agree() -> None:
+    a, b = table(12, 5, 2, 6)
+    forward, backward = paired_difference(a, b), paired_difference(b, a)
+    assert forward.as_list() == pytest.approx([-backward.estimate, -backward.high, -backward.low])
+    same = paired_difference([True, False, True], [True, False, True])
+    assert same.estimate == 0 and same.low < 0 < same.high
+
+
+def test_paired_difference_needs_pairs() -> None:
+    with pytest.raises(ValueError, match="one length"):
+        paired_difference([True], [True, False])
+
+
+def test_median_spread() -> None:
+    assert median_spread([3.0, 1.0, 2.0, 10.0]).as_list() == [2.5, 1.0, 10.0]
+
+
+def test_iid_bound_formula() -> None:
+    # alpha 0.8, K 4, free drafts, v 1: (1 - 0.8^5) / 0.2 = 3.3616 tokens per iteration.
+    assert iid_speedup_bound(0.8, 4, 0.0, 1.0) == pytest.approx(3.3616)
+    assert iid_speedup_bound(1.0, 4, 0.25, 1.0) == pytest.approx(5 / 2)
+    assert iid_speedup_bound(0.0, 4, 0.1, 1.0) == pytest.approx(1 / 1.4)
+
+
+def test_measured_bound_from_totals() -> None:
+    totals = {
+        "accepted": 8, "reached": 10, "drafted": 40, "iterations": 10,
+        "time_draft_s": 4.0, "time_verify_s": 12.0,
+    }  # fmt: skip
+    bound = measured_bound(totals, ar_step_s=1.0)
+    assert (bound.alpha, bound.k, bound.c, bound.v) == pytest.approx((0.8, 4.0, 0.1, 1.2))
+    assert bound.speedup == pytest.approx(3.3616 / 1.6)
