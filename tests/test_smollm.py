@@ -81,3 +81,25 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
     assert len(payload["token_ids"]) == payload["stats"]["new_tokens"] <= 8
     assert payload["stats"]["kl_nats"] == 0
     assert isinstance(payload["text"], str)
+
+
+def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
+    from cactus_spec.cli import main
+    from cactus_spec.fetch import fetch
+
+    path = str(fetch("smollm2-135m"))
+    argv = [
+        "demo",
+        "--target",
+        path,
+        "--draft",
+        path,
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "float32",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("AR (verifier", "SpS", "Cactus (delta=1)", "speedup vs AR"):
+        assert name in out
