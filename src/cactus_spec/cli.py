@@ -15,7 +15,7 @@ from cactus_spec.rules import TAS, Cactus, Interp, Rule, SpS, TopK
 from cactus_spec.sampling import SamplingConfig
 
 #: Best measured K on the default pair (see README's benchmark).
-DEFAULT_NUM_DRAFT_TOKENS = 6
+DEFAULT_NUM_DRAFT_TOKENS = 10
 
 #: The parameters each method takes, with their defaults.
 METHOD_PARAMS: dict[str, dict[str, object]] = {

@@ -152,7 +152,7 @@ class SpeculativeDecoder:
         target: ModelSource,
         draft: ModelSource | None = None,
         rule: Rule | None = None,
-        num_draft_tokens: int = 6,
+        num_draft_tokens: int = 10,
         drafter: str | Drafter = "model",
         *,
         dtype: str | torch.dtype | None = None,
