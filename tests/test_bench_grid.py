@@ -16,6 +16,7 @@ from cactus_spec.bench.grid import (
     parse_entry,
     parse_list,
 )
+from cactus_spec.cli import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.rules import Cactus
 
 
@@ -43,8 +44,9 @@ def test_entry_overrides_and_duplicates() -> None:
 
 def test_default_grid_covers_the_issue() -> None:
     grid = ids(expand(DEFAULT_ENTRIES))
-    assert {"ar", "hf", "hf_assisted/K6/model", "sps/K6/model"} <= set(grid)
-    assert "tas(alpha=0.3,epsilon=0.09)/K6/model" in grid
+    k = DEFAULT_NUM_DRAFT_TOKENS
+    assert {"ar", "hf", f"hf_assisted/K{k}/model", f"sps/K{k}/model"} <= set(grid)
+    assert f"tas(alpha=0.3,epsilon=0.09)/K{k}/model" in grid
     assert sum(i.startswith("cactus(") for i in grid) == 10
 
 

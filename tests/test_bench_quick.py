@@ -7,21 +7,11 @@ import json
 import time
 
 import pytest
+from test_bench_run import OUTPUTS
 
-from cactus_spec.bench.store import RESULTS_FILE, RUN_FILE
 from cactus_spec.cli import main
 
 pytestmark = pytest.mark.slow
-
-OUTPUTS = [
-    RESULTS_FILE,
-    RUN_FILE,
-    "summary.json",
-    "summary.md",
-    "accuracy_vs_acceptance.png",
-    "cactus_delta.png",
-    "acceptance_by_position.png",
-]
 
 
 def test_quick_bench_writes_every_output(tmp_path, capsys) -> None:
