@@ -103,3 +103,15 @@ def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
     out = capsys.readouterr().out
     for name in ("AR (verifier", "SpS", "Cactus (delta=1)", "speedup vs AR"):
         assert name in out
+
+
+def test_stop_string_ends_generation_and_stream_matches_text(smollm: LoadedModel) -> None:
+    decoder = SpeculativeDecoder(smollm, None, SpS(), 4, drafter="ngram")
+    prompt = "What is the capital of France? Answer in one sentence."
+    free = decoder.generate(prompt, 24, temperature=0)
+    assert "Paris" in free.text
+    pieces: list[str] = []
+    stopped = decoder.generate(prompt, 24, temperature=0, stop=["Paris"], on_text=pieces.append)
+    assert stopped.text == free.text[: free.text.index("Paris")]
+    assert len(stopped.token_ids) < len(free.token_ids)
+    assert "".join(pieces) == stopped.text

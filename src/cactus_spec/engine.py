@@ -341,13 +341,13 @@ class _Run:
             if token in self.eos or len(self.new_ids) >= self.max_new:
                 self.done = True
                 break
-        if self.d.tokenizer is None:
-            return
-        full = self.d.tokenizer.decode(self.new_ids, skip_special_tokens=True)
+        if self.d.tokenizer is None or (not self.stop and self.on_text is None):
+            return  # nothing to look for in the text: skip decoding it on the hot path
+        full = self._decode()
         cut = _first_stop(full, self.stop)
         self.done = self.done or cut is not None
         if self.on_text is not None:
-            self._stream(full if cut is None else full[:cut])
+            self._stream(full[:cut])
 
     def _stream(self, text: str) -> None:
         """Pass on the text not yet streamed, holding back what may still change: a
@@ -359,12 +359,15 @@ class _Run:
             self.on_text(text[len(self.streamed) :])
             self.streamed = text
 
+    def _decode(self) -> str:
+        return self.d.tokenizer.decode(self.new_ids, skip_special_tokens=True)
+
     def text(self) -> str | None:
+        """The new text, cut before the first stop string; None without a tokenizer."""
         if self.d.tokenizer is None:
             return None
-        text = self.d.tokenizer.decode(self.new_ids, skip_special_tokens=True)
-        cut = _first_stop(text, self.stop)
-        return text if cut is None else text[:cut]
+        text = self._decode()
+        return text[: _first_stop(text, self.stop)]
 
 
 def _one_hot(token: Tensor, like: Tensor) -> Tensor:
