@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK
-from cactus_spec.verify import verify
+from cactus_spec.verification import verify
 
 RULES = {
     "sps": SpS(),
@@ -57,10 +57,9 @@ def time_call(fn, reps: int, device: str) -> float:
 def forward_seconds(device: str, fallback: float) -> tuple[float, str]:
     """One-token forward of the default 0.5B draft with a KV cache, if it is fetched."""
     try:
-        from cactus_spec.fetch import model_path
         from cactus_spec.models import TransformersBackend, load_model
 
-        loaded = load_model(model_path("qwen-coder-0.5b"), device=device)
+        loaded = load_model("qwen-coder-0.5b", device=device)
     except Exception as error:  # noqa: BLE001 - any failure means: use the stated figure
         return fallback, f"given ({fallback} s; model not measured: {error})"
     backend = TransformersBackend(loaded.model)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 
 def binomial_violations(counts: Tensor, law: Tensor) -> list[int]:
-    """Categories where |count - N law| > 6 sqrt(N law (1 - law)) + 5 (DESIGN.md's bound)."""
+    """Categories where |count - N law| > 6 sqrt(N law (1 - law)) + 5 (docs/DESIGN.md's bound)."""
     counts, law = counts.double(), law.double()
     n = counts.sum()
     expected = n * law

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
+from conftest import make_tiny_lm
 
-from cactus_spec.cli import build_rule, main
+from cactus_spec.bench.store import RUN_FILE
+from cactus_spec.cli import main
+from cactus_spec.methods import build_rule
 from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK
 
 
@@ -24,8 +30,8 @@ def test_build_rule_defaults_and_overrides() -> None:
     ("argv", "message"),
     [
         (["--method", "bogus"], "method must be one of ar, sps, cactus"),
-        (["--method", "sps", "--delta", "0.5"], "--delta does not apply to --method sps"),
-        (["--method", "cactus", "--k", "3"], "--k does not apply to --method cactus"),
+        (["--method", "sps", "--delta", "0.5"], "delta does not apply to method sps"),
+        (["--method", "cactus", "--k", "3"], r"k does not apply to method cactus \(it applies"),
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
         (["--method", "cactus", "--delta", "-1"], "delta must be a finite number >= 0"),
         (["--method", "tas", "--epsilon", "2"], r"epsilon must be a number in \[0, 1\]"),
@@ -34,6 +40,12 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--target", "/nonexistent/model.gguf"], "cactus-spec models fetch"),
+        (["--threads", "0"], "threads must be an integer >= 1, got 0"),
+        (["--threads", "-1"], "threads must be an integer >= 1, got -1"),
+        (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),
+        (["--seed", "-1"], r"--seed must be an integer in \[0, 2\*\*64 - 1\], got -1"),
+        (["--seed", str(2**64)], r"--seed must be an integer in \[0, 2\*\*64 - 1\]"),
+        (["--dtype", "int3"], "dtype must be one of"),
     ],
 )
 def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
@@ -48,3 +60,85 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
 def test_empty_prompt(capsys) -> None:
     assert main(["generate", "  "]) == 2
     assert "prompt must not be empty" in capsys.readouterr().err
+
+
+def one_line_error(capsys) -> str:
+    """The error line: the last line of stderr, the only one starting "error: "."""
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[-1].startswith("error: ") and err.count("error: ") == 1, err
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+def test_prompt_with_invalid_utf8_is_refused(capsys) -> None:
+    """Invalid bytes on a command line reach Python as lone surrogates."""
+    assert main(["generate", "abc\udcff\udcfe"]) == 2
+    assert "prompt is not valid UTF-8 text" in one_line_error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_device_without_cuda_is_refused(capsys) -> None:
+    assert main(["generate", "hello", "--device", "cuda"]) == 2
+    assert "device 'cuda' is not available" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--num-draft-tokens"])
+def test_demo_checks_counts_before_loading(flag: str, capsys) -> None:
+    assert main(["demo", flag, "0", "--target", "/no/such.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # nothing loaded first
+    assert f"{flag} must be >= 1, got 0" in err
+
+
+def test_demo_names_the_models_it_loads(capsys) -> None:
+    assert main(["demo", "--target", "/no/such.gguf", "--draft", "/no/draft.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "default pair" not in err and "/no/such.gguf (verifier)" in err
+
+
+def test_bench_out_below_a_regular_file_is_refused_before_loading(tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    argv = ["bench", "--quick", "--out", str(blocker / "run"), "--target", "/no/such.gguf"]
+    assert main(argv) == 2
+    assert f"{blocker} is a file, not a directory" in one_line_error(capsys)
+
+
+def test_bench_out_in_an_unwritable_place_is_refused(tmp_path, capsys) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    # root writes through file permissions: then use a place no one can write in
+    out = locked / "run" if not _writes_anyway(locked) else Path("/proc/cactus-spec-run")
+    assert main(["bench", "--quick", "--out", str(out), "--target", "/no/such.gguf"]) == 2
+    assert "cannot write in" in one_line_error(capsys)
+
+
+def _writes_anyway(directory: Path) -> bool:
+    probe = directory / "probe"
+    try:
+        probe.write_text("")
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+def test_bench_bad_token_ids_name_file_and_line_and_write_nothing(tmp_path, capsys) -> None:
+    model_dir = tmp_path / "tiny"
+    make_tiny_lm().save_pretrained(model_dir)  # vocabulary 128, no tokenizer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": [1, 2, 3]}) + "\n" + json.dumps({"prompt": [4, 999]}))
+    out = tmp_path / "run"
+    argv = ["bench", "--prompts", str(prompts), "--target", str(model_dir), "--method", "ar"]
+    assert main([*argv, "--out", str(out), "--no-progress", "--max-new-tokens", "4"]) == 2
+    err = one_line_error(capsys)
+    assert f"{prompts}:2: prompt token ids must lie in [0, 128)" in err
+    assert not (out / RUN_FILE).exists()
+
+
+def test_bench_seed_range_covers_every_item(tmp_path, capsys) -> None:
+    argv = ["bench", "--task", "gsm", "--n", "3", "--seed", str(2**64 - 2)]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    assert "exceeds the largest seed" in one_line_error(capsys)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import make_tiny_lm
@@ -70,7 +72,51 @@ def test_eos_inside_an_accepted_block_ends_generation() -> None:
         PROMPT, max_new_tokens=30, temperature=0
     )
     assert result.token_ids == reference[: first + 1]
-    assert result.stats.accepted == result.stats.drafted
+    s = result.stats
+    # One iteration: drafts 0..first accepted and emitted (EOS last), the rest dropped.
+    assert (s.iterations, s.drafted, s.accepted, s.new_tokens) == (1, 8, first + 1, first + 1)
+    assert s.reached_by_position == [1] * (first + 1) + [0] * (7 - first)
+    assert s.accepted_by_position == s.reached_by_position
+    assert_stats_invariants(s, ended_in_draft=True)
+
+
+def assert_stats_invariants(s, ended_in_draft: bool) -> None:
+    """What the statistics must satisfy whatever the run: only emitted drafts count."""
+    own_tokens = s.iterations - (1 if ended_in_draft else 0)  # corrections and bonuses
+    assert s.new_tokens == s.accepted + own_tokens
+    assert s.accepted <= s.drafted
+    assert sum(s.accepted_by_position) == s.accepted
+    assert all(
+        a <= r <= s.iterations
+        for a, r in zip(s.accepted_by_position, s.reached_by_position, strict=True)
+    )
+    assert s.mean_accepted == s.accepted / s.iterations
+
+
+@pytest.mark.parametrize("k", [2, 5, 8])
+def test_statistics_count_only_emitted_drafts_at_eos_for_every_k(k: int) -> None:
+    """Sampled runs with a draft equal to the verifier accept every draft, so iteration i
+    emits tokens i(K+1) .. i(K+1)+K, the last one its bonus. A run ending at EOS then has
+    exactly the drafts before and at the EOS accepted, whatever position it falls on."""
+    target = make_tiny_lm(seed=3)
+    eos = reference_greedy(target, PROMPT, 4)[3]
+    target.generation_config.eos_token_id = eos
+    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.0, seed=0), Cactus(1.0), k)
+    ended_in_draft = 0
+    for seed in range(8):
+        result = decoder.generate(PROMPT, 200, temperature=1.0, top_k=0, top_p=1.0, seed=seed)
+        ids, s = result.token_ids, result.stats
+        if ids[-1] != eos:
+            continue  # ended at the budget: not the case under test
+        last = len(ids) - 1
+        assert s.iterations == last // (k + 1) + 1
+        assert s.accepted == sum(1 for i in range(len(ids)) if i % (k + 1) != k)
+        in_draft = last % (k + 1) != k
+        ended_in_draft += in_draft
+        assert_stats_invariants(s, ended_in_draft=in_draft)
+        with pytest.raises(AssertionError):  # negative control: one draft too many fails
+            assert_stats_invariants(replace(s, accepted=s.accepted + 1), in_draft)
+    assert ended_in_draft > 0  # the case under test did occur
 
 
 def test_budget_is_exact() -> None:

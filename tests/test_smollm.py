@@ -115,3 +115,22 @@ def test_stop_string_ends_generation_and_stream_matches_text(smollm: LoadedModel
     assert stopped.text == free.text[: free.text.index("Paris")]
     assert len(stopped.token_ids) < len(free.token_ids)
     assert "".join(pieces) == stopped.text
+    # token_ids end with the token that completed the stop string; nothing after it counts
+    ids, tokenizer = stopped.token_ids, smollm.tokenizer
+    assert ids == free.token_ids[: len(ids)]
+    assert "Paris" in tokenizer.decode(ids) and "Paris" not in tokenizer.decode(ids[:-1])
+    s = stopped.stats
+    assert s.new_tokens == len(ids)
+    assert s.new_tokens - s.accepted in (s.iterations, s.iterations - 1)
+
+
+def test_statistics_count_only_emitted_drafts_on_a_real_model(smollm: LoadedModel) -> None:
+    """The reported case: Cactus with SmolLM2 drafting for itself, 40 tokens, seed 3. Drafts
+    verified after the end were counted as accepted (drafted 20, accepted 20, new 14)."""
+    decoder = SpeculativeDecoder(smollm, smollm, Cactus(1.0))
+    for seed in range(3, 6):
+        result = decoder.generate("Write quicksort in Python", 40, seed=seed)
+        s = result.stats
+        assert s.new_tokens == len(result.token_ids) <= 40
+        assert s.new_tokens - s.accepted in (s.iterations, s.iterations - 1)
+        assert s.accepted <= s.drafted and sum(s.accepted_by_position) == s.accepted

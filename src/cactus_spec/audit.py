@@ -22,8 +22,25 @@ from torch import Tensor
 from cactus_spec.rules import Rule
 
 
+def _check_pair(names: tuple[str, str], a: Tensor, b: Tensor) -> None:
+    """TypeError unless a and b are tensors; ValueError unless one shape and no NaN."""
+    for name, x in zip(names, (a, b), strict=True):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the same shape, got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}"
+        )
+    for name, x in zip(names, (a, b), strict=True):
+        if x.is_floating_point() and bool(torch.isnan(x).any()):
+            raise ValueError(f"{name} contains NaN")
+
+
 def _per_draft(p: Tensor, q: Tensor, rule: Rule) -> tuple[Tensor, Tensor]:
     """a(n) [..., S] and r_n [..., S(n), S(x)] for every possible draft n."""
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {rule!r}")
     size = q.shape[-1]
     ids = torch.arange(size, device=q.device).expand(q.shape)  # [..., S]
     q_rows = q.unsqueeze(-2).expand(*q.shape[:-1], size, size)  # [..., S, S]
@@ -33,6 +50,7 @@ def _per_draft(p: Tensor, q: Tensor, rule: Rule) -> tuple[Tensor, Tensor]:
 
 def step_law(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     """Exact distribution of the emitted token: p, q [..., S] -> [..., S] (float64)."""
+    _check_pair(("p", "q"), p, q)
     p, q = p.double(), q.double()
     accept, resid = _per_draft(p.float(), q.float(), rule)
     kept = p * accept.double()  # [..., S]
@@ -42,18 +60,21 @@ def step_law(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
 
 def acceptance_prob(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     """Probability that a draft n ~ p is accepted: sum_n p(n) a(n). [..., S] -> [...]."""
+    _check_pair(("p", "q"), p, q)
     accept, _ = _per_draft(p.float(), q.float(), rule)
     return (p.double() * accept.double()).sum(-1)
 
 
 def kl(a: Tensor, b: Tensor) -> Tensor:
     """KL(a || b) in nats over the last axis, 0 log 0 = 0; inf where a > 0 = b."""
+    _check_pair(("a", "b"), a, b)
     a, b = a.double(), b.double()
     return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(-1)
 
 
 def tv(a: Tensor, b: Tensor) -> Tensor:
     """Total variation distance: half the L1 distance over the last axis."""
+    _check_pair(("a", "b"), a, b)
     return 0.5 * (a.double() - b.double()).abs().sum(-1)
 
 

@@ -1,4 +1,9 @@
-"""The `cactus-spec` command line: generate, demo, bench, models fetch."""
+"""The `cactus-spec` command line: generate, demo, bench, models fetch.
+
+Every argument that can be checked without a model is checked before any model loads, and
+bad input ends with one line, ``error: ...``, and exit status 2. The method flags come from
+the registry in ``methods``; the sampling defaults from ``SamplingConfig``.
+"""
 
 from __future__ import annotations
 
@@ -10,75 +15,60 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from cactus_spec.engine import GenerationResult, SpeculativeDecoder
-from cactus_spec.rules import TAS, Cactus, Interp, Rule, SpS, TopK
-from cactus_spec.sampling import SamplingConfig
-
-#: Best measured K on the default pair (see README's benchmark).
-DEFAULT_NUM_DRAFT_TOKENS = 10
-
-#: The parameters each method takes, with their defaults.
-METHOD_PARAMS: dict[str, dict[str, object]] = {
-    "ar": {},
-    "sps": {},
-    "cactus": {"delta": 1.0, "exact": False},
-    "tas": {"epsilon": 0.09, "alpha": 0.3},
-    "interp": {"alpha": 0.5},
-    "topk": {"k": 5},
-}
+from cactus_spec.catalog import DEFAULT_PAIR
+from cactus_spec.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, build_rule
+from cactus_spec.sampling import SamplingConfig, check_seed
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
     "intervals, with a docstring and a short example."
 )
+_SAMPLING = SamplingConfig()
+_ARG_TYPES = {bool: None, int: int, float: float}
 
 stderr = Console(stderr=True)
 
 
-def build_rule(method: str, given: dict[str, object]) -> Rule | None:
-    """The rule for ``method`` from the parameters the user gave; None for "ar"."""
-    if method not in METHOD_PARAMS:
-        raise ValueError(f"method must be one of {', '.join(METHOD_PARAMS)}, got {method!r}")
-    allowed = METHOD_PARAMS[method]
-    for name, value in given.items():
-        if value is not None and name not in allowed:
-            takers = [m for m, params in METHOD_PARAMS.items() if name in params]
-            raise ValueError(
-                f"--{name} does not apply to --method {method} (it applies to {', '.join(takers)})"
-            )
-    values = {
-        name: given.get(name) if given.get(name) is not None else default
-        for name, default in allowed.items()
-    }
-    factories = {
-        "ar": None,
-        "sps": SpS,
-        "cactus": Cactus,
-        "tas": TAS,
-        "interp": Interp,
-        "topk": TopK,
-    }
-    factory = factories[method]
-    return None if factory is None else factory(**values)
+def _method_flags() -> dict[str, list]:
+    """Every method parameter, once, with the methods that take it: name -> [Param, ...]."""
+    flags: dict[str, list] = {}
+    for method in METHODS.values():
+        for param in method.params:
+            flags.setdefault(param.name, []).append((method.name, param))
+    return flags
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--method",
+        default=DEFAULT_METHOD,
+        help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()),
+    )
+    for name, takers in _method_flags().items():
+        first = takers[0][1]
+        words = "; ".join(f"{m}: {p.help} ({p.allowed}, default {p.default})" for m, p in takers)
+        if isinstance(first.default, bool):
+            p.add_argument(f"--{name}", action="store_const", const=True, help=words)
+        else:
+            p.add_argument(f"--{name}", type=_ARG_TYPES[type(first.default)], help=words)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=_SAMPLING.temperature)
+    p.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
+    p.add_argument("--top-k", type=int, default=_SAMPLING.top_k)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt")
-    p.add_argument("--method", default="cactus", help=f"one of {', '.join(METHOD_PARAMS)}")
-    p.add_argument("--delta", type=float, help="Cactus KL budget (default 1.0)")
-    p.add_argument("--exact", action="store_const", const=True, help="Cactus exact KL bound")
-    p.add_argument("--epsilon", type=float, help="TAS threshold cap (default 0.09)")
-    p.add_argument("--alpha", type=float, help="TAS entropy factor (0.3) or Interp weight (0.5)")
-    p.add_argument("--k", type=int, help="TopK: accept drafts in the verifier's top k (5)")
+    _add_method_args(p)
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     p.add_argument("--drafter", choices=["model", "ngram"], default=None)
     _add_model_args(p)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=20)
+    _add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="an integer in [0, 2**64 - 1]")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -108,9 +98,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--drafter", help="model, ngram or model,ngram (default model)")
     p.add_argument("--max-new-tokens", type=int, help="per item (default 256)")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=20)
+    _add_sampling_args(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed of item i: seed + i")
     p.add_argument("--out", help="output directory (default bench-out/TASK or bench-out/quick)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,8 +109,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="verifier: known name, hub id, model dir or .gguf")
     p.add_argument("--draft", help="draft model: known name, hub id, model dir or .gguf")
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,45 +132,44 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    """--target/--draft, falling back to the fetched default pair."""
-    from cactus_spec.fetch import REGISTRY, default_pair_paths, model_path
+    """--target/--draft, else the default pair (known names: loaded only once fetched)."""
+    target = args.target or DEFAULT_PAIR[0]
+    return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
-    target, draft = args.target, args.draft
-    if target is None or (needs_draft and draft is None):
-        default_target, default_draft = default_pair_paths()
-        target = target or str(default_target)
-        draft = draft or str(default_draft)
-    target, draft = (str(model_path(s)) if s in REGISTRY else s for s in (target, draft))
-    return target, draft if needs_draft else None
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for flag in ("num_draft_tokens", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    from cactus_spec.models import check_load_options
+
+    check_load_options(args.dtype, args.device, args.threads)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    given = {
-        "delta": args.delta,
-        "exact": args.exact,
-        "epsilon": args.epsilon,
-        "alpha": args.alpha,
-        "k": args.k,
-    }
+    from cactus_spec.engine import SpeculativeDecoder, check_prompt_text
+
+    given = {name: getattr(args, name) for name in _method_flags()}
     rule = build_rule(args.method, given)
     if args.method == "ar" and args.drafter is not None:
         raise ValueError("--drafter does not apply to --method ar (no drafting)")
     # Cheap checks first, so a typo fails before any model loads.
-    SamplingConfig(args.temperature, args.top_k, args.top_p)
-    if args.num_draft_tokens < 1:
-        raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise ValueError("prompt must not be empty")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    _check_counts(args)
+    check_seed(args.seed, "--seed")
+    check_prompt_text(args.prompt)
+    _check_model_args(args)
     drafter = args.drafter or "model"
     target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
     decoder = SpeculativeDecoder(
         target,
         draft,
-        rule or SpS(),
+        rule,
         args.num_draft_tokens,
-        drafter,
+        drafter if rule is not None else "model",
         dtype=args.dtype,
         device=args.device,
         threads=args.threads,
@@ -196,9 +183,9 @@ def run_generate(args: argparse.Namespace) -> int:
     result = decoder.generate(
         args.prompt,
         args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.top_p,
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
         args.seed,
         args.stop,
         chat=not args.no_chat,
@@ -218,7 +205,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
-def _stats_table(result: GenerationResult) -> Table:
+def _stats_table(result) -> Table:
     s = result.stats
     table = Table(title="interrupted" if result.interrupted else None, show_header=False)
     by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_by_position) or "-"
@@ -242,10 +229,15 @@ def _stats_table(result: GenerationResult) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from cactus_spec.engine import SpeculativeDecoder
     from cactus_spec.models import load_model
+    from cactus_spec.rules import Cactus, SpS
 
+    _check_counts(args)
+    _check_model_args(args)
     target_src, draft_src = _model_sources(args, needs_draft=True)
-    stderr.print("loading the default pair …")
+    pair = "the default pair" if (target_src, draft_src) == DEFAULT_PAIR else "the models"
+    stderr.print(f"loading {pair}: {target_src} (verifier), {draft_src} (draft) …")
     target = load_model(target_src, dtype=args.dtype, device=args.device, threads=args.threads)
     draft = load_model(draft_src, dtype=args.dtype, device=args.device, threads=args.threads)
     runs = [
@@ -255,7 +247,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     table = Table(
         title=f"demo: {args.max_new_tokens} new tokens, K={args.num_draft_tokens}, "
-        "temperature 0.6, top-p 0.95, top-k 20"
+        f"temperature {_SAMPLING.temperature}, top-p {_SAMPLING.top_p}, top-k {_SAMPLING.top_k}"
     )
     for column in ("method", "tokens/s", "speedup vs AR", "mean accepted", "KL nats/token"):
         table.add_column(column, justify="left" if column == "method" else "right")
@@ -281,27 +273,29 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "demo":
+        return run_demo(args)
+    if args.command == "bench":
+        from cactus_spec.bench.command import main_bench
+
+        return main_bench(args)
+    from cactus_spec.fetch import main_fetch
+
+    return main_fetch(args.names)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (2: bad input, 130: interrupted)."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return run_generate(args)
-        if args.command == "demo":
-            return run_demo(args)
-        if args.command == "bench":
-            from cactus_spec.bench.command import main_bench
-
-            return main_bench(args)
-        from cactus_spec.fetch import main_fetch
-
-        return main_fetch(args.names)
+        return _dispatch(args)
     except (ValueError, FileNotFoundError) as error:
-        sys.stderr.write(f"error: {error}\n")
+        message = " ".join(str(error).split())  # one line, whatever the message held
+        sys.stderr.write(f"error: {message}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

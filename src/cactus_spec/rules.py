@@ -1,6 +1,6 @@
 """Acceptance rules for speculative sampling.
 
-Notation (see DESIGN.md): ``p`` is the draft distribution at a position, ``q`` the
+Notation (see docs/DESIGN.md): ``p`` is the draft distribution at a position, ``q`` the
 verifier's, ``n`` the drafted token. Every rule answers two questions for a drafted
 token: how likely it is to be accepted (``accept_prob``) and, on rejection, which
 distribution the replacement token is drawn from (``residual``).
@@ -61,8 +61,13 @@ def normalize(x: Tensor, fallback: Callable[[], Tensor]) -> Tensor:
     return torch.where(empty, fallback(), x / torch.where(empty, 1.0, total))
 
 
+def _is_number(value: object) -> bool:
+    """A real int or float (a bool is not a number here: ``delta=True`` is a mistake)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_unit_interval(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+    if not (_is_number(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
@@ -166,7 +171,7 @@ class Cactus(GeneralizedRule):
     exact: bool = False
 
     def __post_init__(self) -> None:
-        valid = isinstance(self.delta, (int, float)) and math.isfinite(self.delta)
+        valid = _is_number(self.delta) and math.isfinite(self.delta)
         if not valid or self.delta < 0:
             raise ValueError(f"delta must be a finite number >= 0, got {self.delta!r}")
         if not isinstance(self.exact, bool):

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
+#: The largest seed a torch.Generator takes.
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,30 @@ def _sorted_nucleus(sorted_probs: Tensor, top_p: float) -> Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+def check_seed(seed: object, name: str = "seed") -> int:
+    """``seed`` if it is an integer in [0, MAX_SEED], else ValueError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{name} must be an integer in [0, 2**64 - 1], got {seed!r}")
+    return seed
+
+
+def check_generators(generator: object, rows: int) -> None:
+    """Raise TypeError unless ``generator`` is None, one ``torch.Generator`` or a sequence of
+    them; ValueError when a sequence does not hold one per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    is_sequence = isinstance(generator, Sequence) and not isinstance(generator, (str, bytes))
+    if not is_sequence or not all(isinstance(g, torch.Generator) for g in generator):
+        raise TypeError(
+            "generator must be a torch.Generator or a sequence of them (one per row), "
+            f"got {type(generator).__name__}"
+        )
+    if len(generator) != rows:
+        raise ValueError(
+            f"generator: expected one generator per row ({rows}), got {len(generator)}"
+        )
+
+
 def uniforms(rows: int, count: int, generator: Generators, device: torch.device) -> Tensor:
     """U[0, 1) draws [rows, count] in float32.
 
@@ -82,10 +108,7 @@ def uniforms(rows: int, count: int, generator: Generators, device: torch.device)
         gen_device = generator.device if generator is not None else device
         draws = torch.rand(rows, count, generator=generator, device=gen_device)
         return draws.to(device)
-    if len(generator) != rows:
-        raise ValueError(
-            f"generator: expected one generator per row ({rows}), got {len(generator)}"
-        )
+    check_generators(generator, rows)
     draws = [torch.rand(count, generator=g, device=g.device).to(device) for g in generator]
     return torch.stack(draws)
 

@@ -22,10 +22,11 @@ from cactus_spec.bench.grid import (
     parse_list,
 )
 from cactus_spec.bench.runner import BenchSettings, run_bench
+from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
-from cactus_spec.fetch import REGISTRY, default_pair_paths, model_path
-from cactus_spec.models import FETCH_HINT, LoadedModel, ModelNotFoundError, load_model
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.catalog import DEFAULT_PAIR
+from cactus_spec.models import LoadedModel, check_load_options, load_model
+from cactus_spec.sampling import MAX_SEED, SamplingConfig, check_seed
 
 #: What --quick changes, unless given explicitly: SmolLM2-135M drafting with n-gram lookup,
 #: 4 gsm problems of 64 new tokens, a small grid.
@@ -77,24 +78,24 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     )
 
 
-def _resolve(source: str) -> str:
-    """A known model name (``cactus-spec models fetch`` list) to its GGUF path."""
-    return str(model_path(source)) if source in REGISTRY else source
-
-
 def _sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
     """Target and draft sources: the flags, else --quick's SmolLM2 (its own assistant),
-    else the fetched default pair."""
+    else the default pair (known names load only once fetched and verified)."""
     if args.quick:
-        target = _resolve(args.target or QUICK_MODEL)
-        if args.target is None and not Path(target).exists():
-            raise ModelNotFoundError(f"{QUICK_MODEL} is not fetched; {FETCH_HINT} {QUICK_MODEL}")
-        return target, _resolve(args.draft or target) if needs_draft else None
-    target, draft = args.target, args.draft if needs_draft else None
-    if target is None or (needs_draft and draft is None):
-        default_target, default_draft = default_pair_paths()
-        target, draft = target or str(default_target), draft or str(default_draft)
-    return _resolve(target), _resolve(draft) if needs_draft else None
+        target = args.target or QUICK_MODEL
+        return target, (args.draft or target) if needs_draft else None
+    target = args.target or DEFAULT_PAIR[0]
+    return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
+
+
+def _check_seeds(seed: int, items: int) -> None:
+    """The seeds seed .. seed + items - 1 must all be valid generator seeds."""
+    check_seed(seed, "--seed")
+    if seed + items - 1 > MAX_SEED:
+        raise ValueError(
+            f"--seed {seed} + {items} items exceeds the largest seed 2**64 - 1 "
+            "(item i samples with seed + i)"
+        )
 
 
 def _load(source: str, args: argparse.Namespace) -> LoadedModel:
@@ -112,12 +113,15 @@ def main_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; print summary.md at the end."""
     settings = settings_from_args(args)
     items = load_items(settings.task)
+    _check_seeds(settings.seed, len(items))
+    check_load_options(args.dtype, args.device, args.threads)
+    out = default_out(args, settings)
+    check_writable_dir(out)
     target_source, draft_source = _sources(args, settings.needs_draft)
     target = _load(target_source, args)
     draft = None
     if draft_source is not None:
         draft = target if draft_source == target_source else _load(draft_source, args)
-    out = default_out(args, settings)
     run_bench(settings, items, target, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

@@ -1,6 +1,6 @@
 """Configurations to compare: method × its parameters × K (num_draft_tokens) × drafter.
 
-Methods are the engine's (``cli.METHOD_PARAMS``: ar, sps, cactus, tas, interp, topk) and
+Methods are the engine's (the registry in ``methods``: ar, sps, cactus, tas, interp, topk) and
 two Hugging Face peers: ``hf`` (plain ``generate`` on the verifier) and ``hf_assisted``
 (``generate(assistant_model=draft)``, or prompt lookup with the n-gram drafter).
 
@@ -26,13 +26,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cactus_spec.cli import DEFAULT_NUM_DRAFT_TOKENS, METHOD_PARAMS, build_rule
+from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS, build_rule
+from cactus_spec.methods import METHODS as ENGINE_METHODS
 from cactus_spec.rules import Rule
 
 HF_METHODS = ("hf", "hf_assisted")
-METHODS: dict[str, dict[str, object]] = {**METHOD_PARAMS, **{m: {} for m in HF_METHODS}}
+#: Every method a grid may name, with its parameters' defaults.
+METHODS: dict[str, dict[str, object]] = {
+    **{name: method.defaults for name, method in ENGINE_METHODS.items()},
+    **{name: {} for name in HF_METHODS},
+}
 #: Methods that draft nothing, so K and the drafter do not apply.
-NO_DRAFT = ("ar", "hf")
+NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf")
 DRAFTERS = ("model", "ngram")
 #: Keys an entry may set besides its method's parameters; the values give their types.
 DRAFT_DEFAULTS: dict[str, object] = {

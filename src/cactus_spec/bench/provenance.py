@@ -9,7 +9,8 @@ import torch
 import transformers
 
 import cactus_spec
-from cactus_spec.models import LoadedModel, file_sha256
+from cactus_spec.cache import file_sha256
+from cactus_spec.models import LoadedModel
 
 
 def model_identity(loaded: LoadedModel | None) -> dict | None:

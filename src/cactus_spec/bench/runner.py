@@ -104,14 +104,12 @@ class Runner:
         settings: BenchSettings,
         target: LoadedModel,
         draft: LoadedModel | None,
-        store: RunDirectory,
     ) -> None:
         if settings.needs_draft and draft is None:
             raise ValueError("the grid drafts with a draft model, but none was given")
         self.settings = settings
         self.target = target
         self.draft = draft
-        self.store = store
         self.encoder = SpeculativeDecoder(target, None)
         self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
         self._prompt_ids: dict[str, list[int]] = {}
@@ -125,14 +123,21 @@ class Runner:
         )
 
     def prompt_ids(self, item: Item) -> list[int]:
-        """The item's prompt as ids (chat template applied to text), shared by every method."""
+        """The item's prompt as ids (chat template applied to text), shared by every method.
+        A bad prompt raises ValueError naming the item's source (file and line) or id."""
         if item.id not in self._prompt_ids:
-            self._prompt_ids[item.id] = self.encoder.encode(item.prompt, chat=True)
+            try:
+                ids = self.encoder.encode(item.prompt, chat=True)
+                for decoder in [self.encoder, *self.decoders.values()]:
+                    decoder.check_context(len(ids), self.settings.max_new_tokens)
+            except ValueError as err:
+                raise ValueError(f"{item.source or item.id}: {err}") from None
+            self._prompt_ids[item.id] = ids
         return self._prompt_ids[item.id]
 
-    def run(self, items: Sequence[Item], progress: bool = True) -> int:
-        """Run every pending job; return how many ran."""
-        jobs = schedule(items, self.settings.grid, self.store.finished())
+    def run(self, items: Sequence[Item], store: RunDirectory, progress: bool = True) -> int:
+        """Run every pending job, appending each result to ``store``; return how many ran."""
+        jobs = schedule(items, self.settings.grid, store.finished())
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
@@ -145,7 +150,7 @@ class Runner:
             task = bar.add_task("bench", total=len(jobs))
             for index, item, config in jobs:
                 bar.update(task, description=f"{config.label} | {item.id}")
-                self.store.append(self.run_one(index, item, config))
+                store.append(self.run_one(index, item, config))
                 bar.advance(task)
         return len(jobs)
 
@@ -213,10 +218,14 @@ def run_bench(
     """Run (or resume) a benchmark into ``out`` and write its summaries and plots.
 
     Returns the summary (also in summary.json). Refuses an ``out`` holding another run.
+    Every prompt is encoded and checked first, so bad input writes nothing.
     """
     identity = settings.identity(target, draft)
+    runner = Runner(settings, target, draft)
+    for item in items:
+        runner.prompt_ids(item)
     store = RunDirectory(out, identity)
-    Runner(settings, target, draft, store).run(items, progress)
+    runner.run(items, store, progress)
     model = target.model
     meta = {"run": identity, "environment": environment(model.device, model.dtype)}
     summary = summarise(store.rows(), settings.grid, items, meta)

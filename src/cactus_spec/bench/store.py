@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,21 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def check_writable_dir(path: Path, flag: str = "--out") -> None:
+    """ValueError unless ``path`` is (or can be made) a writable directory: its nearest
+    existing ancestor must be a directory where a file can be created. Writes nothing."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write in {existing} ({err.strerror})") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

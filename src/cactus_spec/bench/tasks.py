@@ -30,11 +30,13 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 @dataclass(frozen=True)
 class Item:
-    """One prompt: ``prompt`` is text (chat template applied) or token ids (used as is)."""
+    """One prompt: ``prompt`` is text (chat template applied) or token ids (used as is);
+    ``source`` says where it came from in error messages (``file:line`` for a prompt file)."""
 
     id: str
     prompt: str | tuple[int, ...]
     answer: str | None = None
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def _prompt_item(line: str, where: str, default_id: str) -> Item:
     elif not (isinstance(prompt, str) and prompt.strip()):
         raise ValueError(f"{where}: the prompt must be non-empty text or a list of token ids")
     answer = row.get("answer")
-    return Item(str(row.get("id", default_id)), prompt, None if answer is None else str(answer))
+    answer = None if answer is None else str(answer)
+    return Item(str(row.get("id", default_id)), prompt, answer, where)
 
 
 def extract_answer(text: str) -> str | None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from cactus_spec.rules import Rule
-from cactus_spec.sampling import Generators, sample_inverse_cdf, uniforms
+from cactus_spec.sampling import Generators, check_generators, sample_inverse_cdf, uniforms
 
 #: Allowed |row sum - 1| of probability rows, by input dtype.
 SUM_TOLERANCE = {
@@ -56,8 +56,11 @@ def verify(
     the correction or bonus is argmax q. ``validate=False`` skips the input checks
     (for callers that build the probabilities themselves, like the engine).
     """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {_describe(rule)}")
     if validate:
         check_inputs(draft_ids, target_probs, draft_probs)
+        check_generators(generator, draft_ids.shape[0])
     batch, k = draft_ids.shape
     q_drafted = target_probs[:, :k].float()  # [B, K, V]
     if greedy:
@@ -98,6 +101,8 @@ def check_inputs(draft_ids: Tensor, target_probs: Tensor, draft_probs: Tensor | 
             f"draft_ids must be an int64 tensor of shape [B, K], got {_describe(draft_ids)}"
         )
     batch, k = draft_ids.shape
+    if batch < 1:
+        raise ValueError(f"draft_ids must hold B >= 1 rows, got shape {tuple(draft_ids.shape)}")
     if k < 1:
         raise ValueError(
             f"draft_ids must hold K >= 1 drafted tokens per row, got shape {tuple(draft_ids.shape)}"

@@ -1,0 +1,44 @@
+"""The installed `cactus-spec` command as a user runs it: a real process, real argv bytes,
+a real SIGINT while it is still importing torch."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+COMMAND = Path(sys.executable).with_name("cactus-spec")
+#: Importing torch and transformers takes seconds; this is well inside it.
+EARLY_S = 0.5
+
+
+def _interrupt_early(argv: list[str]) -> subprocess.CompletedProcess:
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(EARLY_S)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+@pytest.mark.skipif(not COMMAND.exists(), reason="cactus-spec is not installed in this venv")
+def test_ctrl_c_while_importing_exits_130_with_one_line() -> None:
+    done = _interrupt_early([str(COMMAND), "generate", "hello", "--method", "ar"])
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.decode() == "interrupted\n"
+
+
+def test_negative_control_a_bare_import_interrupted_prints_a_traceback() -> None:
+    done = _interrupt_early([sys.executable, "-c", "import cactus_spec.cli"])
+    assert done.returncode != 130 and b"Traceback" in done.stderr
+
+
+@pytest.mark.skipif(not COMMAND.exists(), reason="cactus-spec is not installed in this venv")
+def test_invalid_utf8_bytes_in_argv_are_one_line_and_exit_2() -> None:
+    done = subprocess.run([str(COMMAND), "generate", b"abc\xff\xfe"], capture_output=True)
+    assert done.returncode == 2
+    assert done.stderr.decode(errors="replace").count("\n") == 1
+    assert b"error: prompt is not valid UTF-8 text" in done.stderr
