@@ -57,7 +57,8 @@ def time_call(fn, reps: int, device: str) -> float:
 def forward_seconds(device: str, fallback: float) -> tuple[float, str]:
     """One-token forward of the default 0.5B draft with a KV cache, if it is fetched."""
     try:
-        from cactus_spec.models import TransformersBackend, load_model
+        from cactus_spec.backends.hf import TransformersBackend
+        from cactus_spec.models import load_model
 
         loaded = load_model("qwen-coder-0.5b", device=device)
     except Exception as error:  # noqa: BLE001 - any failure means: use the stated figure

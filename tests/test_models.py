@@ -9,11 +9,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
+from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.models import (
     FETCH_HINT,
     LoadedModel,
     ModelNotFoundError,
-    TransformersBackend,
     VocabularyMismatchError,
     check_same_vocabulary,
     load_model,

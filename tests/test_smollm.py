@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import LoadedModel, TransformersBackend, load_model
+from cactus_spec.models import LoadedModel, load_model
 from cactus_spec.rules import Cactus, SpS
 
 pytestmark = pytest.mark.slow

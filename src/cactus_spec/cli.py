@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from cactus_spec.backends.load import BACKENDS
+from cactus_spec.backends.quant import QUANTS
 from cactus_spec.catalog import DEFAULT_PAIR
 from cactus_spec.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, build_rule
 from cactus_spec.sampling import SamplingConfig, check_seed
@@ -111,6 +113,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="model code (auto)")
+    p.add_argument(
+        "--draft-quant", choices=QUANTS, default="int8", help="draft weights (int8: lossless)"
+    )
+    p.add_argument("--verifier-quant", choices=QUANTS, default="none", help="verifier weights")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,6 +180,9 @@ def run_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         threads=args.threads,
+        backend=args.backend,
+        draft_quant=args.draft_quant,
+        verifier_quant=args.verifier_quant,
     )
 
     def stream(piece: str) -> None:
@@ -238,8 +248,9 @@ def run_demo(args: argparse.Namespace) -> int:
     target_src, draft_src = _model_sources(args, needs_draft=True)
     pair = "the default pair" if (target_src, draft_src) == DEFAULT_PAIR else "the models"
     stderr.print(f"loading {pair}: {target_src} (verifier), {draft_src} (draft) …")
-    target = load_model(target_src, dtype=args.dtype, device=args.device, threads=args.threads)
-    draft = load_model(draft_src, dtype=args.dtype, device=args.device, threads=args.threads)
+    options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
+    target = load_model(target_src, **options, quant=args.verifier_quant)
+    draft = load_model(draft_src, **options, quant=args.draft_quant)
     runs = [
         ("AR (verifier alone)", None, SpS()),
         ("SpS", draft, SpS()),
@@ -252,11 +263,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for column in ("method", "tokens/s", "speedup vs AR", "mean accepted", "KL nats/token"):
         table.add_column(column, justify="left" if column == "method" else "right")
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
-    SpeculativeDecoder(target, draft, SpS(), args.num_draft_tokens).generate(DEMO_PROMPT, 2)
+    k, backend = args.num_draft_tokens, args.backend
+    SpeculativeDecoder(target, draft, SpS(), k, backend=backend).generate(DEMO_PROMPT, 2)
     baseline = None
     for name, draft_model, rule in runs:
         stderr.print(f"running {name} …")
-        decoder = SpeculativeDecoder(target, draft_model, rule, args.num_draft_tokens)
+        decoder = SpeculativeDecoder(target, draft_model, rule, k, backend=backend)
         result = decoder.generate(DEMO_PROMPT, args.max_new_tokens, seed=0)
         s = result.stats
         baseline = baseline or s.tokens_per_s

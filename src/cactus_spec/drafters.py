@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from cactus_spec.models import Backend
+from cactus_spec.backends.base import Backend
 from cactus_spec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
 
 

@@ -23,14 +23,12 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from cactus_spec.audit import step_divergences
+from cactus_spec.backends.base import Backend
+from cactus_spec.backends.load import make_backend
+from cactus_spec.backends.quant import check_quant
 from cactus_spec.drafters import Draft, Drafter, ModelDrafter, NGramDrafter
 from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS
-from cactus_spec.models import (
-    LoadedModel,
-    TransformersBackend,
-    check_same_vocabulary,
-    load_model,
-)
+from cactus_spec.models import LoadedModel, check_same_vocabulary, load_model
 from cactus_spec.rules import Rule, SpS
 from cactus_spec.sampling import (
     SamplingConfig,
@@ -47,10 +45,10 @@ ModelSource = str | LoadedModel | PreTrainedModel
 class TimedBackend:
     """A backend wrapper that adds up the wall time of its forward passes."""
 
-    def __init__(self, backend: TransformersBackend) -> None:
+    def __init__(self, backend: Backend, device: torch.device) -> None:
         self.inner = backend
         self.seconds = 0.0
-        self._sync = backend.model.device.type == "cuda"
+        self._sync = device.type == "cuda"
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -162,7 +160,9 @@ class GenerationResult:
     interrupted: bool = False
 
 
-def _as_loaded(name: str, source: ModelSource, dtype, device, threads) -> LoadedModel:
+def _as_loaded(name: str, source: ModelSource, dtype, device, threads, quant) -> LoadedModel:
+    """``source`` loaded; ``quant`` applies only to what is loaded here (never to a model
+    object the caller owns)."""
     if isinstance(source, LoadedModel):
         return source
     if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
@@ -170,7 +170,9 @@ def _as_loaded(name: str, source: ModelSource, dtype, device, threads) -> Loaded
             f"{name} must be a model name, path, hub id, LoadedModel or PreTrainedModel, "
             f"got {type(source).__name__}"
         )
-    return load_model(source, dtype=dtype, device=device, threads=threads)
+    if isinstance(source, PreTrainedModel):
+        quant = "none"
+    return load_model(source, dtype=dtype, device=device, threads=threads, quant=quant)
 
 
 class SpeculativeDecoder:
@@ -179,6 +181,11 @@ class SpeculativeDecoder:
     ``draft=None`` with ``drafter="model"`` decodes the verifier autoregressively
     through the same sampling code: the baseline every speedup is measured
     against. ``drafter`` may also be "ngram" or any ``Drafter`` object.
+
+    ``backend`` picks the code that runs both models (``backends.load.make_backend``:
+    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none" or "int8") apply to
+    models this constructor loads from a name or path: the draft is int8 by default (the
+    output law depends only on the verifier, so SpS stays exact), the verifier is not.
     """
 
     def __init__(
@@ -192,6 +199,9 @@ class SpeculativeDecoder:
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
         threads: int | None = None,
+        backend: str = "auto",
+        draft_quant: str = "int8",
+        verifier_quant: str = "none",
     ) -> None:
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
@@ -201,15 +211,19 @@ class SpeculativeDecoder:
             raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {rule!r}")
         self.rule = rule if rule is not None else SpS()
         self.num_draft_tokens = num_draft_tokens
-        self.target = _as_loaded("target", target, dtype, device, threads)
+        check_quant(draft_quant, "draft_quant")
+        self.target = _as_loaded(
+            "target", target, dtype, device, threads, check_quant(verifier_quant, "verifier_quant")
+        )
         self.tokenizer = self.target.tokenizer
         self.vocab_size = self.target.model.config.get_text_config().vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
-        self.target_backend = TimedBackend(TransformersBackend(self.target.model))
-        self.drafter = self._make_drafter(draft, drafter, dtype, device, threads)
+        self.target_backend = TimedBackend(make_backend(self.target, backend), self.target.device)
+        load = {"dtype": dtype, "device": device, "threads": threads, "quant": draft_quant}
+        self.drafter = self._make_drafter(draft, drafter, load, backend)
 
-    def _make_drafter(self, draft, drafter, dtype, device, threads) -> Drafter | None:
+    def _make_drafter(self, draft, drafter, load: dict, backend: str) -> Drafter | None:
         if not isinstance(drafter, str):
             return drafter
         if drafter == "ngram":
@@ -218,9 +232,9 @@ class SpeculativeDecoder:
             raise ValueError(f"drafter must be 'model', 'ngram' or a Drafter, got {drafter!r}")
         if draft is None:
             return None
-        loaded = _as_loaded("draft", draft, dtype, device, threads)
+        loaded = _as_loaded("draft", draft, **load)
         self.vocab_size = check_same_vocabulary(self.target, loaded)
-        return ModelDrafter(TransformersBackend(loaded.model), self.vocab_size)
+        return ModelDrafter(make_backend(loaded, backend), self.vocab_size)
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Prompt text (through the chat template when the tokenizer has one) or ids -> ids."""
@@ -324,11 +338,11 @@ class _Run:
         self.prompt_len = len(prompt_ids)
         self.max_new = max_new_tokens
         self.sampling = sampling
-        self.generator = torch.Generator(device=decoder.target.model.device).manual_seed(seed)
+        self.generator = torch.Generator(device=decoder.target.device).manual_seed(seed)
         self.stop = list(stop or [])
         self.on_text = on_text
         self.stats = GenerationStats()
-        self.eos = _eos_ids(decoder)
+        self.eos = decoder.target.eos_ids
         self.streamed = ""
         self.done = False
 
@@ -465,19 +479,6 @@ class _Run:
 
 def _one_hot(token: Tensor, like: Tensor) -> Tensor:
     return torch.nn.functional.one_hot(token, like.shape[-1]).to(like.dtype)
-
-
-def _eos_ids(decoder: SpeculativeDecoder) -> set[int]:
-    """End-of-sequence ids from the generation config, the config, or the tokenizer."""
-    model = decoder.target.model
-    found: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, decoder.tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            found.add(value)
-        elif isinstance(value, (list, tuple)):
-            found.update(int(v) for v in value)
-    return found
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:

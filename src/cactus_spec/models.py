@@ -9,21 +9,19 @@ cached GGUF only when it matches the pinned sha256; only a hub id reaches the ne
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.utils import logging as hf_logging
 
+from cactus_spec.backends.quant import check_quant, quantize_int8
 from cactus_spec.cache import (
     FETCH_HINT,
     ModelNotFoundError,
@@ -35,10 +33,8 @@ from cactus_spec.catalog import REGISTRY
 
 __all__ = [
     "FETCH_HINT",
-    "Backend",
     "LoadedModel",
     "ModelNotFoundError",
-    "TransformersBackend",
     "VocabularyMismatchError",
     "check_device",
     "check_load_options",
@@ -72,6 +68,24 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None
     identity: str  # local path or hub id
     sha256: str | None  # of the GGUF file, when loaded from one
+    quant: str = "none"  # weight format of the linear layers: none or int8
+    eos_ids: frozenset[int] = frozenset()  # ids that end generation
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset:
+    """End-of-sequence ids from the generation config, the config, or the tokenizer."""
+    found: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            found.update(int(v) for v in value)
+    return frozenset(found)
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -153,31 +167,38 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     threads: int | None = None,
+    quant: str = "none",
 ) -> LoadedModel:
     """Load a model from a model object, a known name (``cactus-spec models fetch``), a local
     directory, a `.gguf` file or a hub id.
 
     Only a hub id reaches the network. A path that does not exist raises ModelNotFoundError;
     a damaged file raises CorruptModelError. A model object keeps its own dtype unless
-    `dtype` is given.
+    `dtype` is given. ``quant="int8"`` turns every linear layer into int8 (``backends.quant``;
+    the model then runs in float32 around them, and a model object is changed in place).
     """
     device = check_device(device)
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; theirs is noise here
+    check_quant(quant)
     if isinstance(source, PreTrainedModel):
         model, tokenizer, identity, sha = source, None, type(source).__name__, None
-    elif not isinstance(source, (str, Path)):
+        if dtype is not None:
+            model = model.to(dtype=resolve_dtype(dtype, device))
+    elif isinstance(source, (str, Path)):
+        model, tokenizer, identity, sha = _load_source(source, resolve_dtype(dtype, device))
+    else:
         raise TypeError(
             "source must be a known model name, a path, a hub id or a PreTrainedModel, "
             f"got {type(source).__name__}"
         )
-        if dtype is not None:
-            model = model.to(dtype=resolve_dtype(dtype, device))
-    else:
-        model, tokenizer, identity, sha = _load_source(source, resolve_dtype(dtype, device))
     model = model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, identity=identity, sha256=sha)
+    if quant == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"quant int8 runs on the CPU only, not on {device}")
+        model = quantize_int8(model)
+    return LoadedModel(model, tokenizer, identity, sha, quant, _eos_ids(model, tokenizer))
 
 
 def check_threads(threads: object) -> int:
@@ -245,90 +266,3 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> int:
             f"{min(widths)} logits"
         )
     return sizes[0]
-
-
-class Backend(Protocol):
-    """A single-sequence language model with a KV cache that can be rolled back."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Width of the logits `append` returns."""
-
-    @property
-    def context_length(self) -> int:
-        """Maximum number of tokens the cache can hold."""
-
-    @property
-    def length(self) -> int:
-        """Number of tokens currently in the cache."""
-
-    def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """Feed tokens after the cached ones; return float32 logits of the last `keep` new
-        positions (all T when keep = 0) [T or keep, V]."""
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens."""
-
-    def reset(self) -> None:
-        """Empty the cache."""
-
-
-class TransformersBackend:
-    """Backend over a transformers causal LM with a DynamicCache, batch size 1.
-
-    Rollback needs full-attention layers (sliding-window layers roll back only within their window).
-    """
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self._cache = DynamicCache(config=model.config)
-        self._length = 0
-
-    @property
-    def vocab_size(self) -> int:
-        return _config_vocab_size(self.model)
-
-    @property
-    def context_length(self) -> int:
-        return self.model.config.get_text_config().max_position_embeddings
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """Run one forward pass over `token_ids`; return float32 logits [T, V] (or of the last
-        `keep` positions only: a long prefill then skips the LM head on the others)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.model.device).reshape(1, -1)
-        count = ids.shape[1]  # ids: [1, T]
-        if count == 0:
-            raise ValueError("append needs at least one token")
-        if self._length + count > self.context_length:
-            raise ValueError(
-                f"context overflow: {self._length} cached + {count} new tokens exceed "
-                f"context_length {self.context_length}"
-            )
-        positions = torch.arange(self._length, self._length + count, device=ids.device)[None]
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                past_key_values=self._cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
-        self._length += count
-        return out.logits[0].float()  # [T, V]
-
-    def rollback(self, length: int) -> None:
-        """Drop cached tokens after the first `length`, without recomputing anything."""
-        if not 0 <= length <= self._length:
-            raise ValueError(f"rollback length must be in [0, {self._length}]; got {length}")
-        if length < self._length:
-            self._cache.crop(length - self._length)  # transformers 5.x: negative = tokens to drop
-            self._length = length
-
-    def reset(self) -> None:
-        """Start over with an empty cache."""
-        self._cache = DynamicCache(config=self.model.config)
-        self._length = 0

@@ -75,6 +75,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
         max_new_tokens=_given(args, "max_new_tokens"),
         seed=args.seed,
+        backend=args.backend,
     )
 
 
@@ -98,9 +99,10 @@ def _check_seeds(seed: int, items: int) -> None:
         )
 
 
-def _load(source: str, args: argparse.Namespace) -> LoadedModel:
-    stderr.print(f"loading {source} ...")
-    return load_model(source, dtype=args.dtype, device=args.device, threads=args.threads)
+def _load(source: str, args: argparse.Namespace, quant: str) -> LoadedModel:
+    stderr.print(f"loading {source} ({quant} weights) ...")
+    options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
+    return load_model(source, **options, quant=quant)
 
 
 def default_out(args: argparse.Namespace, settings: BenchSettings) -> Path:
@@ -118,10 +120,11 @@ def main_bench(args: argparse.Namespace) -> int:
     out = default_out(args, settings)
     check_writable_dir(out)
     target_source, draft_source = _sources(args, settings.needs_draft)
-    target = _load(target_source, args)
+    target = _load(target_source, args, args.verifier_quant)
     draft = None
     if draft_source is not None:
-        draft = target if draft_source == target_source else _load(draft_source, args)
+        same = (draft_source, args.draft_quant) == (target_source, args.verifier_quant)
+        draft = target if same else _load(draft_source, args, args.draft_quant)
     run_bench(settings, items, target, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

@@ -23,7 +23,7 @@ def model_identity(loaded: LoadedModel | None) -> dict | None:
     if sha is None and path.is_dir():
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         sha = ",".join(file_sha256(w) for w in weights) or None
-    return {"path": loaded.identity, "sha256": sha}
+    return {"path": loaded.identity, "sha256": sha, "quant": loaded.quant}
 
 
 def _cpu_name() -> str:

@@ -49,6 +49,7 @@ class BenchSettings:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_new_tokens: int = 256
     seed: int = 0
+    backend: str = "auto"  # the model code of our engine (backends.load)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -80,7 +81,10 @@ class BenchSettings:
             "max_new_tokens": self.max_new_tokens,
             "seed": self.seed,
             "models": {"target": model_identity(target), "draft": model_identity(draft)},
-            "setup": {key: env[key] for key in ("device", "dtype", "threads")},
+            "setup": {
+                **{key: env[key] for key in ("device", "dtype", "threads")},
+                "backend": self.backend,
+            },
         }
 
 
@@ -115,12 +119,12 @@ class Runner:
         self._prompt_ids: dict[str, list[int]] = {}
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
+        backend = self.settings.backend
         if not config.drafts:
-            return SpeculativeDecoder(self.target, None)
+            return SpeculativeDecoder(self.target, None, backend=backend)
         draft = self.draft if config.drafter == "model" else None
-        return SpeculativeDecoder(
-            self.target, draft, config.rule(), config.num_draft_tokens, config.drafter
-        )
+        k, drafter = config.num_draft_tokens, config.drafter
+        return SpeculativeDecoder(self.target, draft, config.rule(), k, drafter, backend=backend)
 
     def prompt_ids(self, item: Item) -> list[int]:
         """The item's prompt as ids (chat template applied to text), shared by every method.

@@ -1,0 +1,1 @@
+"""Backends: the models the engine runs, behind one protocol (``base.Backend``)."""

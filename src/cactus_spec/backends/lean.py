@@ -1,0 +1,265 @@
+"""Qwen2 and Llama decoders in plain torch, with a static KV cache that holds a length per row.
+
+One block of the model, for hidden states x [B, T, E] of T new tokens per row::
+
+    h = x + o(attention(rope(q(rms(x))), rope(k(rms(x))), v(rms(x))))
+    y = h + down(silu(gate(rms(h))) * up(rms(h)))
+
+with grouped-query attention (H query heads share H_kv key/value heads) through
+``scaled_dot_product_attention``, rotary embeddings on the first and second halves of each
+head (the Hugging Face layout, which the dense GGUF copies use), q/k/v biases where the
+checkpoint has them (Qwen2), and RMSNorm computed in float32.
+
+The cache ``k, v [L, B, H_kv, S, D]`` is written in place: row b's new tokens go to
+positions ``lengths[b] .. lengths[b] + T - 1``, and a query at position t attends to the
+keys at positions <= t of its own row. Rolling a row back only sets its length; stale
+entries beyond it are masked out and overwritten later. So a forward over rows of different
+lengths gives each row exactly the logits it would get alone.
+
+Weights are the Hugging Face model's own tensors (shared, not copied).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+#: Architectures this module implements, by ``config.model_type``.
+SUPPORTED = ("llama", "qwen2")
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot run on the lean code (then the transformers backend runs it)."""
+    config = model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or {}
+    if config.model_type not in SUPPORTED:
+        return f"architecture {config.model_type!r} (lean code covers {', '.join(SUPPORTED)})"
+    if rope.get("rope_type", "default") != "default":
+        return f"rope type {rope.get('rope_type')!r}"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
+
+    def __init__(self, weight: Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding on [B, H, T, D]: x cos + (-x2, x1) sin, with halves x1, x2."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the static cache of one layer."""
+
+    def __init__(self, hf_attention: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.q, self.k = hf_attention.q_proj, hf_attention.k_proj
+        self.v, self.o = hf_attention.v_proj, hf_attention.o_proj
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
+        batch, count, _ = x.shape  # x: [B, T, E]
+        q = self.q(x).view(batch, count, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, *rope), rotate(k, *rope)  # [B, H, T, D], [B, H_kv, T, D]
+        keys, values, mask = cache.write(layer, k, v)  # [B, H_kv, S, D] x2, [B, 1, T, S]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(batch, count, self.heads * self.head_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm attention and SwiGLU MLP, each added to the residual stream."""
+
+    def __init__(self, hf_layer: nn.Module, eps: float, heads: int, kv: int, dim: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(hf_layer.input_layernorm.weight, eps)
+        self.attention = Attention(hf_layer.self_attn, heads, kv, dim)
+        self.mlp_norm = RMSNorm(hf_layer.post_attention_layernorm.weight, eps)
+        mlp = hf_layer.mlp
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, layer)
+        m = self.mlp_norm(h)
+        return h + self.down(F.silu(self.gate(m)) * self.up(m))
+
+
+#: Tokens per row a cache holds at first; it doubles (up to its size) when a forward needs more.
+_FIRST_CAPACITY = 256
+
+
+class KVCache:
+    """Keys and values [L, B, H_kv, S, D] and a length per row [B], for up to ``size`` tokens
+    per row. Memory grows with use (capacity doubles, copying once), so an idle decoder or
+    a short prompt does not hold the whole context."""
+
+    def __init__(self, shape: tuple[int, int, int, int, int], dtype, device) -> None:
+        layers, batch, kv_heads, size, head_dim = shape
+        first = (layers, batch, kv_heads, min(size, _FIRST_CAPACITY), head_dim)
+        self.keys = torch.zeros(first, dtype=dtype, device=device)
+        self.values = torch.zeros(first, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+        self.size = size
+        self._starts: list[int] = []  # where each row's new tokens go
+        self._mask: Tensor | None = None  # [B, 1, T, S'] which keys each query sees
+        self._end = 0
+
+    def begin(self, count: int) -> Tensor:
+        """Prepare a forward of ``count`` new tokens per row; return their positions [B, T]."""
+        device = self.lengths.device
+        positions = self.lengths[:, None] + torch.arange(count, device=device)  # [B, T]
+        self._end = int(positions.max()) + 1
+        if self._end > self.size:
+            raise ValueError(f"context overflow: {self._end} tokens exceed the cache ({self.size})")
+        if self._end > self.keys.shape[3]:
+            self._grow(min(self.size, max(self._end, 2 * self.keys.shape[3])))
+        keys_at = torch.arange(self._end, device=device)  # [S']
+        self._mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
+        self._starts = self.lengths.tolist()
+        return positions
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocate keys and values for ``capacity`` tokens per row, keeping their content."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], capacity, old.shape[4]))
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Store k, v [B, H_kv, T, D] at the rows' new positions; return the keys and values
+        up to the furthest position written [B, H_kv, S', D] and the attention mask."""
+        count = k.shape[2]
+        for row, start in enumerate(self._starts):  # slice writes: no copy of the cache
+            self.keys[layer, row, :, start : start + count] = k[row]
+            self.values[layer, row, :, start : start + count] = v[row]
+        end = self._end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask
+
+
+class LeanModel(nn.Module):
+    """A Qwen2/Llama decoder over a static per-row KV cache (see the module docstring)."""
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        super().__init__()
+        reason = unsupported_reason(hf_model)
+        if reason is not None:
+            raise ValueError(f"the lean backend does not support {reason}")
+        config = hf_model.config.get_text_config()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.max_positions = config.max_position_embeddings
+        self.vocab_size = config.vocab_size
+        inner = hf_model.model
+        eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens
+        self.blocks = nn.ModuleList(
+            Block(layer, eps, self.heads, self.kv_heads, self.head_dim) for layer in inner.layers
+        )
+        self.norm = RMSNorm(inner.norm.weight, eps)
+        self.lm_head = hf_model.lm_head
+        theta = config.rope_parameters["rope_theta"]
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.inv_freq = (1.0 / (theta**exponents)).to(self.embed.weight.device)  # [D/2]
+        self.dtype = self.embed.weight.dtype
+
+    def new_cache(self, batch: int, size: int) -> KVCache:
+        """An empty cache for ``batch`` rows of up to ``size`` tokens each."""
+        shape = (len(self.blocks), batch, self.kv_heads, size, self.head_dim)
+        return KVCache(shape, self.dtype, self.embed.weight.device)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, T, D] for positions [B, T] (float32, then the model's dtype)."""
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, keep: int = 0) -> Tensor:
+        """Feed tokens [B, T] after each row's cached ones; return float32 logits of the last
+        ``keep`` positions [B, keep, V] (all T when keep = 0). Row lengths grow by T."""
+        positions = cache.begin(tokens.shape[1])  # [B, T]
+        rope = self.rope(positions)
+        x = self.embed(tokens)  # [B, T, E]
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rope, cache, layer)
+        if keep:
+            x = x[:, -keep:]
+        cache.lengths += tokens.shape[1]
+        return self.lm_head(self.norm(x)).float()  # [B, keep or T, V]
+
+
+#: Cache size when the caller gives none: enough for long chats, 235 MB for the 1.5B verifier.
+DEFAULT_CONTEXT = 8192
+
+
+class LeanBackend:
+    """The Backend protocol over ``LeanModel``: ``batch`` rows, each with its own length.
+
+    ``append``/``rollback``/``length`` act on row 0 (the engine decodes one sequence);
+    ``append_rows`` feeds every row at once.
+    """
+
+    def __init__(self, model: LeanModel, batch: int = 1, context_length: int | None = None):
+        self.model = model
+        size = min(model.max_positions, context_length or DEFAULT_CONTEXT)
+        self.cache = model.new_cache(batch, size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.size
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.lengths[0])
+
+    def append_rows(self, tokens: Tensor, keep: int = 0) -> Tensor:
+        """Feed tokens [B, T] to every row after its own cached ones; float32 logits
+        [B, keep or T, V]."""
+        if tokens.dim() != 2 or tokens.shape[0] != self.cache.lengths.shape[0]:
+            raise ValueError(f"tokens must have shape [{self.cache.lengths.shape[0]}, T]")
+        if tokens.shape[1] == 0:
+            raise ValueError("append needs at least one token")
+        return self.model(tokens.to(self.cache.lengths.device), self.cache, keep)
+
+    def append(self, token_ids, keep: int = 0) -> Tensor:
+        """Feed tokens to row 0 (a batch of one); float32 logits [keep or T, V]."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)  # [1, T]
+        return self.append_rows(ids, keep)[0]
+
+    def rollback(self, length: int, row: int = 0) -> None:
+        """Keep only the first ``length`` cached tokens of ``row``: O(1), nothing recomputed."""
+        current = int(self.cache.lengths[row])
+        if not 0 <= length <= current:
+            raise ValueError(f"rollback length must be in [0, {current}]; got {length}")
+        self.cache.lengths[row] = length
+
+    def reset(self) -> None:
+        """Empty every row."""
+        self.cache.lengths.zero_()
