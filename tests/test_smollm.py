@@ -135,3 +135,32 @@ def test_statistics_count_only_emitted_drafts_on_a_real_model(smollm: LoadedMode
         assert s.new_tokens == len(result.token_ids) <= 40
         assert s.new_tokens - s.accepted in (s.iterations, s.iterations - 1)
         assert s.accepted <= s.drafted and sum(s.accepted_by_position) == s.accepted
+
+
+def test_int8_verifier_reports_its_measured_divergence(
+    smollm: LoadedModel, capsys, monkeypatch, tmp_path
+) -> None:
+    """--verifier-quant int8 is never silent: --json carries the measured KL from bfloat16,
+    measured once, then read from the cache."""
+    import json
+
+    from cactus_spec import divergence
+    from cactus_spec.cli import main
+    from cactus_spec.fetch import fetch
+
+    monkeypatch.setattr(divergence, "cache_dir", lambda: tmp_path)
+    path = str(fetch("smollm2-135m"))
+    argv = ["generate", "Say hello.", "--target", path, "--method", "ar", "--max-new-tokens", "4"]
+    argv += ["--verifier-quant", "int8", "--json"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "measuring the int8 verifier" in first.err
+    reported = json.loads(first.out)["verifier"]
+    assert reported["quant"] == "int8"
+    found = reported["divergence"]
+    assert 0 < found["kl_one_row"] < 0.2 and 0 < found["kl_block"] < 0.2
+    assert found["agreement_one_row"] > 0.8 and found["tokens"] == divergence.MEASURED_TOKENS
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert "measuring" not in second.err
+    assert json.loads(second.out)["verifier"]["divergence"] == found

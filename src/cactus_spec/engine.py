@@ -26,6 +26,7 @@ from cactus_spec.audit import step_divergences
 from cactus_spec.backends.base import Backend
 from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.quant import check_quant
+from cactus_spec.divergence import Divergence, quant_divergence
 from cactus_spec.drafters import Draft, Drafter, ModelDrafter, NGramDrafter
 from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.models import LoadedModel, check_same_vocabulary, load_model
@@ -216,10 +217,10 @@ class SpeculativeDecoder:
             "target", target, dtype, device, threads, check_quant(verifier_quant, "verifier_quant")
         )
         self.tokenizer = self.target.tokenizer
-        self.vocab_size = self.target.model.config.get_text_config().vocab_size
+        self.target_backend = TimedBackend(make_backend(self.target, backend), self.target.device)
+        self.vocab_size = self.target_backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
-        self.target_backend = TimedBackend(make_backend(self.target, backend), self.target.device)
         load = {"dtype": dtype, "device": device, "threads": threads, "quant": draft_quant}
         self.drafter = self._make_drafter(draft, drafter, load, backend)
 
@@ -285,6 +286,12 @@ class SpeculativeDecoder:
         self.check_context(len(prompt_ids), max_new_tokens)
         run = _Run(self, prompt_ids, max_new_tokens, sampling, seed, stop, on_text)
         return run.execute()
+
+    def verifier_divergence(self) -> Divergence | None:
+        """How far a quantised verifier's law is from its bfloat16 original (KL in nats per
+        token on real text, ``divergence``): measured once per model, then cached. None
+        for an unquantised verifier."""
+        return quant_divergence(self.target)
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise ValueError when the verifier's cache could overflow (drafts included)."""

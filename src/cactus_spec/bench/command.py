@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cactus_spec.bench import llamacpp
 from cactus_spec.bench.grid import (
     DEFAULT_ENTRIES,
     QUICK_ENTRIES,
@@ -64,14 +65,29 @@ def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
         entries,
         parse_list(ks) if ks else None,
         parse_list(drafters) if drafters else ("model",),
+        (args.verifier_quant,),
     )
+
+
+def _without_missing_peers(grid: tuple[Config, ...]) -> tuple[Config, ...]:
+    """The grid less llama.cpp's methods when llama-cpp-python is absent (said on stderr)."""
+    reason = llamacpp.missing_reason()
+    skipped = [c for c in grid if c.method in llamacpp.METHODS]
+    if reason is None or not skipped:
+        return grid
+    names = ", ".join(dict.fromkeys(c.method for c in skipped))
+    stderr.print(f"skipping {names}: {reason}", soft_wrap=True, highlight=False)
+    kept = tuple(c for c in grid if c.method not in llamacpp.METHODS)
+    if not kept:
+        raise ValueError(f"nothing to run: {reason}")
+    return kept
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validated settings; raises ValueError on any bad input, before models load."""
     return BenchSettings(
         task=_task(args),
-        grid=_grid(args),
+        grid=_without_missing_peers(_grid(args)),
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
         max_new_tokens=_given(args, "max_new_tokens"),
         seed=args.seed,
@@ -120,12 +136,12 @@ def main_bench(args: argparse.Namespace) -> int:
     out = default_out(args, settings)
     check_writable_dir(out)
     target_source, draft_source = _sources(args, settings.needs_draft)
-    target = _load(target_source, args, args.verifier_quant)
+    targets = {quant: _load(target_source, args, quant) for quant in settings.verifiers}
     draft = None
     if draft_source is not None:
-        same = (draft_source, args.draft_quant) == (target_source, args.verifier_quant)
-        draft = target if same else _load(draft_source, args, args.draft_quant)
-    run_bench(settings, items, target, draft, out, progress=not args.no_progress)
+        same = draft_source == target_source and args.draft_quant in targets
+        draft = targets[args.draft_quant] if same else _load(draft_source, args, args.draft_quant)
+    run_bench(settings, items, targets, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")
     return 0

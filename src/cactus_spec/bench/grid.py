@@ -1,8 +1,10 @@
 """Configurations to compare: method × its parameters × K (num_draft_tokens) × drafter.
 
 Methods are the engine's (the registry in ``methods``: ar, sps, cactus, tas, interp, topk) and
-two Hugging Face peers: ``hf`` (plain ``generate`` on the verifier) and ``hf_assisted``
-(``generate(assistant_model=draft)``, or prompt lookup with the n-gram drafter).
+peers: Hugging Face's ``hf`` (plain ``generate`` on the verifier) and ``hf_assisted``
+(``generate(assistant_model=draft)``, or prompt lookup with the n-gram drafter), and
+llama.cpp's ``llamacpp`` (plain decoding of the verifier's GGUF) and ``llamacpp_lookup``
+(its prompt-lookup decoding, parameter ``num_pred_tokens``).
 
 On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instance
 ``cactus:delta=0.5,1:exact=false,true``; a file (TOML or JSON) holds the same entries::
@@ -15,7 +17,9 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
     exact = [false, true]
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``
-or ``drafter``, overriding the defaults for that entry.
+or ``drafter``, overriding the defaults for that entry, or ``verifier`` (the verifier's
+weights, ``none`` or ``int8``; default: ``--verifier-quant``) for every method but llama.cpp's,
+which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares both in one run.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ from cactus_spec.methods import METHODS as ENGINE_METHODS
 from cactus_spec.rules import Rule
 
 HF_METHODS = ("hf", "hf_assisted")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
 #: Every method a grid may name, with its parameters' defaults.
 METHODS: dict[str, dict[str, object]] = {
     **{name: method.defaults for name, method in ENGINE_METHODS.items()},
     **{name: {} for name in HF_METHODS},
+    "llamacpp": {},
+    "llamacpp_lookup": {"num_pred_tokens": 10},  # llama-cpp-python's default
 }
-#: Methods that draft nothing, so K and the drafter do not apply.
-NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf")
+#: Methods that take no K and no drafter (they draft nothing, or draft their own way).
+NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
+#: Weight formats of the verifier a configuration may ask for (``verifier=...``).
+VERIFIER_QUANTS = ("none", "int8")
 DRAFTERS = ("model", "ngram")
 #: Keys an entry may set besides its method's parameters; the values give their types.
 DRAFT_DEFAULTS: dict[str, object] = {
@@ -58,6 +67,7 @@ class Config:
     params: tuple[tuple[str, object], ...] = ()
     num_draft_tokens: int = 0  # 0 for a method that drafts nothing
     drafter: str | None = None  # None for a method that drafts nothing
+    verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
 
     @property
     def drafts(self) -> bool:
@@ -65,15 +75,17 @@ class Config:
 
     @property
     def engine(self) -> bool:
-        """Whether our engine runs it (else Hugging Face's generate)."""
-        return self.method not in HF_METHODS
+        """Whether our engine runs it (else a peer: Hugging Face or llama.cpp)."""
+        return self.method not in HF_METHODS + LLAMACPP_METHODS
 
     @property
     def id(self) -> str:
-        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model``."""
+        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``@int8`` appended
+        for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
-        return f"{head}/K{self.num_draft_tokens}/{self.drafter}" if self.drafts else head
+        head = f"{head}/K{self.num_draft_tokens}/{self.drafter}" if self.drafts else head
+        return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
     @property
     def label(self) -> str:
@@ -87,6 +99,7 @@ class Config:
         if self.drafts:
             words.append(f"K{self.num_draft_tokens}")
             words += ["ngram"] if self.drafter == "ngram" else []
+        words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
 
     def rule(self) -> Rule | None:
@@ -101,6 +114,7 @@ class Config:
             "params": dict(self.params),
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter,
+            "verifier": self.verifier,
         }
 
 
@@ -139,7 +153,8 @@ _KINDS = {bool: "a boolean", float: "a number", int: "an integer", str: "a strin
 
 def _coerce(method: str, name: str, value: object) -> object:
     """A value in the type of its default; strings (from the command line) are parsed."""
-    default = DRAFT_DEFAULTS[name] if name in DRAFT_DEFAULTS else METHODS[method][name]
+    keys = {**DRAFT_DEFAULTS, "verifier": "none"}
+    default = keys[name] if name in keys else METHODS[method][name]
     try:
         return _PARSERS[type(default)](value)
     except (TypeError, ValueError):
@@ -147,17 +162,27 @@ def _coerce(method: str, name: str, value: object) -> object:
         raise ValueError(f"{method}: {name} must be {kind}, got {value!r}") from None
 
 
-def make_config(method: str, params: Mapping[str, object], k: int, drafter: str) -> Config:
+def make_config(
+    method: str, params: Mapping[str, object], k: int, drafter: str, verifier: str = "none"
+) -> Config:
     """A validated configuration: unknown methods, parameters or values raise ValueError."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     allowed = METHODS[method]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        takes = ", ".join([*allowed, *_DRAFT_KEYS]) if method not in NO_DRAFT else "nothing"
-        raise ValueError(f"{method} does not take {', '.join(unknown)} (it takes {takes})")
+        keys = [*allowed, *(_DRAFT_KEYS if method not in NO_DRAFT else ())]
+        keys += [] if method in LLAMACPP_METHODS else ["verifier"]
+        raise ValueError(
+            f"{method} does not take {', '.join(unknown)} (it takes {', '.join(keys)})"
+        )
+    if verifier not in VERIFIER_QUANTS:
+        raise ValueError(
+            f"{method}: verifier must be one of {', '.join(VERIFIER_QUANTS)}, got {verifier!r}"
+        )
     values = {name: _coerce(method, name, params.get(name, d)) for name, d in allowed.items()}
-    config = Config(method, tuple(sorted(values.items())))
+    verifier = "none" if method in LLAMACPP_METHODS else verifier  # it runs the GGUF
+    config = Config(method, tuple(sorted(values.items())), verifier=verifier)
     try:
         config.rule()  # raises on a bad value, e.g. a negative delta
     except ValueError as err:
@@ -168,24 +193,33 @@ def make_config(method: str, params: Mapping[str, object], k: int, drafter: str)
         raise ValueError(f"{method}: num_draft_tokens must be >= 1, got {k}")
     if drafter not in DRAFTERS:
         raise ValueError(f"{method}: drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-    return Config(method, config.params, k, drafter)
+    return Config(method, config.params, k, drafter, verifier)
 
 
 def expand(
-    entries: Iterable[Entry], ks: Sequence[int] | None = None, drafters: Sequence[str] = ("model",)
+    entries: Iterable[Entry],
+    ks: Sequence[int] | None = None,
+    drafters: Sequence[str] = ("model",),
+    verifiers: Sequence[str] = ("none",),
 ) -> tuple[Config, ...]:
-    """Every configuration of every entry, in order, without duplicates."""
+    """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
+    verifier formats of entries that name none (llama.cpp's always run the GGUF)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
         if method in NO_DRAFT and set(lists) & set(_DRAFT_KEYS):
             raise ValueError(f"{method} drafts nothing: num_draft_tokens and drafter do not apply")
+        if method in LLAMACPP_METHODS and "verifier" in lists:
+            raise ValueError(f"{method} runs the verifier's GGUF itself: verifier does not apply")
         k_values = [_coerce(method, "num_draft_tokens", k) for k in lists.get(_DRAFT_KEYS[0], ks)]
         drafter_values = [_coerce(method, "drafter", d) for d in lists.get("drafter", drafters)]
-        names = [name for name in lists if name not in _DRAFT_KEYS]
-        for combo in itertools.product(*(lists[name] for name in names), k_values, drafter_values):
-            *values, k, drafter = combo
-            config = make_config(method, dict(zip(names, values, strict=True)), k, drafter)
+        verifier_values = [_coerce(method, "verifier", v) for v in lists.get("verifier", verifiers)]
+        names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
+        axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
+        for combo in itertools.product(*axes):
+            *values, k, drafter, verifier = combo
+            params = dict(zip(names, values, strict=True))
+            config = make_config(method, params, k, drafter, verifier)
             configs.setdefault(config.id, config)
     if not configs:
         raise ValueError("the grid holds no configuration")
@@ -218,7 +252,7 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     if not path.is_file():
         raise ValueError(f"grid file {path} does not exist")
     raw = _read_structured(path)
-    unknown = sorted(set(raw) - {"methods", *_DRAFT_KEYS})
+    unknown = sorted(set(raw) - {"methods", "verifier", *_DRAFT_KEYS})
     if unknown:
         raise ValueError(f"grid file {path}: unknown keys {', '.join(unknown)}")
     methods = raw.get("methods")
@@ -226,7 +260,8 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
         raise ValueError(f"grid file {path}: needs a non-empty list of [[methods]] entries")
     entries = [_file_entry(entry, path) for entry in methods]
     ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
-    return expand(entries, ks, _listed(raw.get("drafter", ["model"])))
+    drafters = _listed(raw.get("drafter", ["model"]))
+    return expand(entries, ks, drafters, _listed(raw.get("verifier", ["none"])))
 
 
 def _read_structured(path: Path) -> dict:
@@ -264,6 +299,8 @@ DEFAULT_ENTRIES: list[Entry] = [
     ("ar", {}),
     ("hf", {}),
     ("hf_assisted", {}),
+    ("llamacpp", {}),
+    ("llamacpp_lookup", {}),
     ("sps", {}),
     ("tas", {"epsilon": [0.03, 0.09, 0.3]}),
     ("interp", {}),

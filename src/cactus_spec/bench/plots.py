@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from cactus_spec.bench.store import atomic_path
+from cactus_spec.files import atomic_path
 
 COLORS = {
     "sps": "black",

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from cactus_spec.bench.store import write_text_atomic
+from cactus_spec.files import write_text_atomic
 
 DASH = "-"
 
@@ -46,6 +46,7 @@ SPEED_HEADER = (
     "method",
     "params",
     "K",
+    "verifier",
     "N",
     "tokens/s (median)",
     "speedup vs AR: median [min, max]",
@@ -62,15 +63,21 @@ SPEED_HEADER = (
 )
 
 
+def _verifier(c: dict) -> str:
+    """The verifier's weights: dense (as loaded), int8, or the GGUF (llama.cpp)."""
+    if c["method"].startswith("llamacpp"):
+        return "GGUF"
+    return "dense" if c.get("verifier", "none") == "none" else c["verifier"]
+
+
 def _speed_row(c: dict) -> list[str]:
+    head = [c["method"], _params(c), _k(c), _verifier(c)]
     if not c["n"]:
-        return [c["method"], _params(c), _k(c), "0"] + [DASH] * (len(SPEED_HEADER) - 4)
+        return [*head, "0"] + [DASH] * (len(SPEED_HEADER) - len(head) - 1)
     ratio = c.get("measured_over_bound")
     other = c["time_shares"]["other"] if "time_shares" in c else None
     return [
-        c["method"],
-        _params(c),
-        _k(c),
+        *head,
         str(c["n"]),
         _num(c["tokens_per_s"]),
         _interval(c["speedup"], suffix="x"),
@@ -150,6 +157,17 @@ def _setting(summary: dict) -> list[str]:
         f"torch {env['torch']}, transformers {env['transformers']}, "
         f"cactus-spec {env['cactus_spec']}, Python {env['python']}.",
     ]
+    for quant, d in summary.get("verifier_divergence", {}).items():
+        if d is None:
+            lines.append(f"- {quant} verifier: its divergence from bfloat16 was not measured.")
+            continue
+        lines.append(
+            f"- {quant} verifier vs its {d['reference']} original, KL({quant} || "
+            f"{d['reference']}) on {d['tokens']} tokens of real code: {d['kl_one_row']:.4f} "
+            f"nats/token one token per forward, {d['kl_block']:.4f} in blocks of {d['block']} "
+            f"(argmax agreement {d['agreement_one_row']:.1%}, {d['agreement_block']:.1%}). "
+            "Every method on this verifier follows its law, so read this beside a method's KL."
+        )
     return lines
 
 

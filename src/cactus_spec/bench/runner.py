@@ -10,10 +10,11 @@ Models are loaded once by the caller; each configuration gets its own decoder ov
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -25,19 +26,31 @@ from rich.progress import (
 )
 
 from cactus_spec.bench import memory
-from cactus_spec.bench.grid import Config
+from cactus_spec.bench.grid import LLAMACPP_METHODS, Config
+from cactus_spec.bench.llamacpp import LlamaCppPeers, gguf_of
 from cactus_spec.bench.peers import hf_generate
 from cactus_spec.bench.plots import write_plots
 from cactus_spec.bench.provenance import environment, model_identity
 from cactus_spec.bench.report import write_markdown
-from cactus_spec.bench.store import RunDirectory, write_json_atomic
+from cactus_spec.bench.store import RunDirectory
 from cactus_spec.bench.summary import summarise
 from cactus_spec.bench.tasks import Item, TaskSpec, extract_answer, is_correct
+from cactus_spec.divergence import quant_divergence
 from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.files import write_json_atomic
 from cactus_spec.models import LoadedModel
 from cactus_spec.sampling import SamplingConfig
 
 Job = tuple[int, Item, Config]
+#: The verifier in each weight format the grid asks for ("none", "int8"), or one model.
+Targets = LoadedModel | Mapping[str, LoadedModel]
+
+
+def as_targets(targets: Targets) -> dict[str, LoadedModel]:
+    """``{weight format: verifier}``; a single model stands for its own format."""
+    if isinstance(targets, LoadedModel):
+        return {targets.quant: targets}
+    return dict(targets)
 
 
 @dataclass(frozen=True)
@@ -62,12 +75,19 @@ class BenchSettings:
         """Whether some configuration drafts with the draft model."""
         return any(c.drafts and c.drafter == "model" for c in self.grid)
 
+    @property
+    def verifiers(self) -> list[str]:
+        """The verifier weight formats the grid uses, in grid order."""
+        return list(dict.fromkeys(c.verifier for c in self.grid))
+
     def item_seed(self, index: int) -> int:
         """The sampling seed of item ``index``, the same for every configuration."""
         return self.seed + index
 
-    def identity(self, target: LoadedModel, draft: LoadedModel | None) -> dict:
+    def identity(self, targets: Targets, draft: LoadedModel | None) -> dict:
         """What results must share to be comparable (see ``store``)."""
+        verifiers = as_targets(targets)
+        target = next(iter(verifiers.values()))
         model = target.model
         task = {"name": self.task.name, "n": self.task.n, "seed": self.task.seed}
         if self.task.path is not None:
@@ -80,7 +100,11 @@ class BenchSettings:
             "sampling": asdict(self.sampling),
             "max_new_tokens": self.max_new_tokens,
             "seed": self.seed,
-            "models": {"target": model_identity(target), "draft": model_identity(draft)},
+            "models": {
+                "target": model_identity(target),
+                "draft": model_identity(draft),
+                "verifiers": {quant: model_identity(m) for quant, m in verifiers.items()},
+            },
             "setup": {
                 **{key: env[key] for key in ("device", "dtype", "threads")},
                 "backend": self.backend,
@@ -106,25 +130,37 @@ class Runner:
     def __init__(
         self,
         settings: BenchSettings,
-        target: LoadedModel,
+        targets: Targets,
         draft: LoadedModel | None,
     ) -> None:
         if settings.needs_draft and draft is None:
             raise ValueError("the grid drafts with a draft model, but none was given")
         self.settings = settings
-        self.target = target
+        self.targets = as_targets(targets)
+        missing = [quant for quant in settings.verifiers if quant not in self.targets]
+        if missing:
+            raise ValueError(f"the grid asks for a verifier in {', '.join(missing)} weights")
+        self.target = next(iter(self.targets.values()))  # tokenizer, device, the GGUF
         self.draft = draft
-        self.encoder = SpeculativeDecoder(target, None)
+        self.encoder = SpeculativeDecoder(self.target, None)
         self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
+        self.llamacpp = self._llamacpp()
         self._prompt_ids: dict[str, list[int]] = {}
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
-        backend = self.settings.backend
+        backend, target = self.settings.backend, self.targets[config.verifier]
         if not config.drafts:
-            return SpeculativeDecoder(self.target, None, backend=backend)
+            return SpeculativeDecoder(target, None, backend=backend)
         draft = self.draft if config.drafter == "model" else None
         k, drafter = config.num_draft_tokens, config.drafter
-        return SpeculativeDecoder(self.target, draft, config.rule(), k, drafter, backend=backend)
+        return SpeculativeDecoder(target, draft, config.rule(), k, drafter, backend=backend)
+
+    def _llamacpp(self) -> LlamaCppPeers | None:
+        """llama.cpp contexts over the verifier's GGUF, if the grid has llama.cpp methods."""
+        if not any(c.method in LLAMACPP_METHODS for c in self.settings.grid):
+            return None
+        context = self.encoder.target_backend.context_length
+        return LlamaCppPeers(gguf_of(self.target), context, torch.get_num_threads())
 
     def prompt_ids(self, item: Item) -> list[int]:
         """The item's prompt as ids (chat template applied to text), shared by every method.
@@ -196,7 +232,11 @@ class Runner:
             if result.interrupted:  # the engine turns Ctrl-C into a partial result
                 raise KeyboardInterrupt
             return {**result.stats.as_dict(), "token_ids": result.token_ids, "text": result.text}
-        peer = hf_generate(config, self.target, self.draft, ids, s.max_new_tokens, s.sampling, seed)
+        if config.method in LLAMACPP_METHODS:
+            peer = self.llamacpp.generate(config, ids, s.max_new_tokens, s.sampling, seed)
+        else:
+            target = self.targets[config.verifier]
+            peer = hf_generate(config, target, self.draft, ids, s.max_new_tokens, s.sampling, seed)
         count = len(peer.token_ids)
         return {
             "new_tokens": count,
@@ -211,27 +251,47 @@ class Runner:
         return None if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def verifier_divergences(targets: Targets) -> dict[str, dict | None]:
+    """The measured KL of each quantised verifier from its bfloat16 original (``divergence``);
+    None where it cannot be measured (a model object with no file behind it)."""
+    found: dict[str, dict | None] = {}
+    for quant, target in as_targets(targets).items():
+        if quant == "none":
+            continue
+        try:
+            found[quant] = quant_divergence(target).as_dict()
+        except ValueError:
+            found[quant] = None
+    return found
+
+
 def run_bench(
     settings: BenchSettings,
     items: Sequence[Item],
-    target: LoadedModel,
+    targets: Targets,
     draft: LoadedModel | None,
     out: str | Path,
     progress: bool = True,
 ) -> dict:
     """Run (or resume) a benchmark into ``out`` and write its summaries and plots.
 
-    Returns the summary (also in summary.json). Refuses an ``out`` holding another run.
-    Every prompt is encoded and checked first, so bad input writes nothing.
+    ``targets``: the verifier, or one per weight format the grid names (``{"none": bf16,
+    "int8": int8}``). Returns the summary (also in summary.json). Refuses an ``out`` holding
+    another run. Every prompt is encoded and checked first, so bad input writes nothing.
     """
-    identity = settings.identity(target, draft)
-    runner = Runner(settings, target, draft)
+    identity = settings.identity(targets, draft)
+    runner = Runner(settings, targets, draft)
     for item in items:
         runner.prompt_ids(item)
     store = RunDirectory(out, identity)
+    divergences = verifier_divergences(targets)
     runner.run(items, store, progress)
-    model = target.model
-    meta = {"run": identity, "environment": environment(model.device, model.dtype)}
+    model = runner.target.model
+    meta = {
+        "run": identity,
+        "environment": environment(model.device, model.dtype),
+        "verifier_divergence": divergences,
+    }
     summary = summarise(store.rows(), settings.grid, items, meta)
     write_json_atomic(store.path / "summary.json", summary)
     write_markdown(store.path / "summary.md", summary)

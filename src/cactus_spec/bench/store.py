@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+
+from cactus_spec.files import write_json_atomic
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -27,17 +27,6 @@ MUTABLE_KEYS = ("task.n", "task.path")
 
 class RunMismatchError(ValueError):
     """The output directory holds results of a different run."""
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write to; it replaces ``path`` on success."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def check_writable_dir(path: Path, flag: str = "--out") -> None:
@@ -53,15 +42,6 @@ def check_writable_dir(path: Path, flag: str = "--out") -> None:
             pass
     except OSError as err:
         raise ValueError(f"{flag} {path}: cannot write in {existing} ({err.strerror})") from None
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def flatten(data: object, prefix: str = "") -> dict[str, object]:
