@@ -116,7 +116,8 @@ def _check_seeds(seed: int, items: int) -> None:
 
 
 def _load(source: str, args: argparse.Namespace, quant: str) -> LoadedModel:
-    stderr.print(f"loading {source} ({quant} weights) ...")
+    weights = "dense" if quant == "none" else quant
+    stderr.print(f"loading {source} ({weights} weights) ...")
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
     return load_model(source, **options, quant=quant)
 

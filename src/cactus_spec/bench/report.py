@@ -105,6 +105,7 @@ def accuracy_table(configs: Sequence[dict]) -> list[str]:
         "method",
         "params",
         "K",
+        "verifier",
         "correct / N",
         "accuracy [95% Wilson]",
         "difference vs AR [95% paired Newcombe]",
@@ -114,6 +115,7 @@ def accuracy_table(configs: Sequence[dict]) -> list[str]:
             c["method"],
             _params(c),
             _k(c),
+            _verifier(c),
             f"{c['correct']} / {c['n']}",
             _interval(c["accuracy"], 3),
             _interval(c["difference_vs_ar"], 3),
@@ -128,9 +130,9 @@ def position_table(configs: Sequence[dict]) -> list[str]:
     """Acceptance rate at each draft position (given the chain reached it)."""
     drafting = [c for c in configs if c.get("acceptance_by_position")]
     width = max((len(c["acceptance_by_position"]) for c in drafting), default=0)
-    header = ["method", "params", "K", *(str(j + 1) for j in range(width))]
+    header = ["method", "params", "K", "verifier", *(str(j + 1) for j in range(width))]
     rows = [
-        [c["method"], _params(c), _k(c)]
+        [c["method"], _params(c), _k(c), _verifier(c)]
         + [_num(a) for a in c["acceptance_by_position"]]
         + [DASH] * (width - len(c["acceptance_by_position"]))
         for c in drafting
