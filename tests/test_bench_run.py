@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 
+from cactus_spec.bench import llamacpp
 from cactus_spec.bench.grid import expand, parse_entry
 from cactus_spec.bench.plots import write_plots
 from cactus_spec.bench.runner import BenchSettings, run_bench, schedule
@@ -212,7 +213,9 @@ def test_plots_are_png_files(tmp_path) -> None:
         (["--task", "gsm", "--prompts", "p.jsonl"], "prompts task only"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch) -> None:
+    """One line, whether or not the default grid's llama.cpp peers are installed here."""
+    monkeypatch.setattr(llamacpp, "missing_reason", lambda: "llama-cpp-python is not installed")
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err

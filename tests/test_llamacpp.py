@@ -41,12 +41,14 @@ def test_greedy_prompt_lookup_equals_plain_decoding(smollm) -> None:
 
 
 def test_bench_skips_llamacpp_methods_with_a_message_when_absent(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(llamacpp, "missing_reason", lambda: "llama-cpp-python is not installed")
+    reason = f"llama-cpp-python is not installed; {llamacpp.INSTALL_HINT}"
+    monkeypatch.setattr(llamacpp, "missing_reason", lambda: reason)
     grid = expand([parse_entry("ar"), parse_entry("llamacpp"), parse_entry("llamacpp_lookup")])
     kept = command._without_missing_peers(grid)
     assert [c.id for c in kept] == ["ar"]
     err = capsys.readouterr().err
     assert "skipping llamacpp, llamacpp_lookup" in err and "not installed" in err
+    assert "cactus-spec[peers]" in err  # printed as written, not eaten as console markup
     with pytest.raises(ValueError, match="nothing to run"):
         command._without_missing_peers(grid[1:])
 

@@ -7,6 +7,7 @@ checked first, so a typo fails in a second, before any model loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def _without_missing_peers(grid: tuple[Config, ...]) -> tuple[Config, ...]:
     if reason is None or not skipped:
         return grid
     names = ", ".join(dict.fromkeys(c.method for c in skipped))
-    stderr.print(f"skipping {names}: {reason}", soft_wrap=True, highlight=False)
+    stderr.print(f"skipping {names}: {reason}", soft_wrap=True, highlight=False, markup=False)
     kept = tuple(c for c in grid if c.method not in llamacpp.METHODS)
     if not kept:
         raise ValueError(f"nothing to run: {reason}")
@@ -84,15 +85,19 @@ def _without_missing_peers(grid: tuple[Config, ...]) -> tuple[Config, ...]:
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    """Validated settings; raises ValueError on any bad input, before models load."""
-    return BenchSettings(
+    """Validated settings; raises ValueError on any bad input, before models load.
+
+    Missing peers are dropped (and said) only once every argument has been checked, so a
+    bad argument is the one line on stderr."""
+    settings = BenchSettings(
         task=_task(args),
-        grid=_without_missing_peers(_grid(args)),
+        grid=_grid(args),
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
         max_new_tokens=_given(args, "max_new_tokens"),
         seed=args.seed,
         backend=args.backend,
     )
+    return dataclasses.replace(settings, grid=_without_missing_peers(settings.grid))
 
 
 def _sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
