@@ -68,3 +68,14 @@ def test_measured_bound_from_totals() -> None:
     bound = measured_bound(totals, ar_step_s=1.0)
     assert (bound.alpha, bound.k, bound.c, bound.v) == pytest.approx((0.8, 4.0, 0.1, 1.2))
     assert bound.speedup == pytest.approx(3.3616 / 1.6)
+
+
+def test_note_says_hf_rows_ran_packed_bf16_layers() -> None:
+    from cactus_spec.bench.grid import expand, parse_entry
+    from cactus_spec.bench.summary import _notes
+
+    grid = expand([parse_entry("ar"), parse_entry("hf")])
+    meta = {"environment": {"device": "cpu", "dtype": "bfloat16"}, "run": {"setup": {}}}
+    assert any("repacked" in note for note in _notes(grid, "ar", meta))
+    meta["run"]["setup"]["backend"] = "hf"  # transformers runs the model: nothing repacked
+    assert not any("repacked" in note for note in _notes(grid, "ar", meta))

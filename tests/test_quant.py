@@ -1,15 +1,18 @@
-"""Int8 linear layers: close to float, each row of a block as if alone; the divergence
+"""Int8 linear layers: close to float, each row of a block as if alone; packed bf16 layers:
+the same products; the divergence
 measure of a quantised verifier is 0 against itself and grows with the quantisation error."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import make_tiny_lm
 from torch import nn
 
 from cactus_spec.backends.lean import LeanBackend, LeanModel
+from cactus_spec.backends.packed import PackedLinear, packing_available
 from cactus_spec.backends.quant import Int8Linear, quantize_int8
 from cactus_spec.divergence import PREFIX_TOKENS, measure
 
@@ -98,3 +101,23 @@ def test_divergence_of_an_int8_model_is_small_and_positive() -> None:
     )
     assert 0 < result.kl_one_row < 0.01 and 0 < result.kl_block < 0.01
     assert result.kl_worst == max(result.kl_one_row, result.kl_block)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_packed_bf16_linear_gives_the_same_products_bit_for_bit() -> None:
+    layer = _linear().bfloat16()
+    x = _block().bfloat16().reshape(2, 3, IN)
+    expected = layer(x)  # [2, 3, OUT]
+    got = PackedLinear(layer)(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    other = PackedLinear(_linear(seed=1).bfloat16())(x)
+    assert not torch.equal(other, expected)  # control: the check tells weights apart
+
+
+def test_lean_backend_packs_a_bf16_model_in_place_and_keeps_its_logits() -> None:
+    model = make_tiny_lm().bfloat16()
+    expected = LeanBackend(LeanModel(copy.deepcopy(model).float())).append([3, 17, 42, 8])
+    backend = LeanBackend(LeanModel(model))
+    assert packing_available(model) == any(isinstance(m, PackedLinear) for m in model.modules())
+    got = backend.append([3, 17, 42, 8])  # [4, V]
+    assert (got.argmax(-1) == expected.argmax(-1)).all()

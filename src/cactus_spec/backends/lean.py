@@ -16,7 +16,8 @@ keys at positions <= t of its own row. Rolling a row back only sets its length; 
 entries beyond it are masked out and overwritten later. So a forward over rows of different
 lengths gives each row exactly the logits it would get alone.
 
-Weights are the Hugging Face model's own tensors (shared, not copied).
+Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
+the CPU first has its linear layers repacked for oneDNN, in place (``packed``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+
+from cactus_spec.backends.packed import pack_linears, packing_available
 
 #: Architectures this module implements, by ``config.model_type``.
 SUPPORTED = ("llama", "qwen2")
@@ -166,6 +169,8 @@ class LeanModel(nn.Module):
         reason = unsupported_reason(hf_model)
         if reason is not None:
             raise ValueError(f"the lean backend does not support {reason}")
+        if packing_available(hf_model):
+            pack_linears(hf_model)  # same products, no per-call weight reorder
         config = hf_model.config.get_text_config()
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads

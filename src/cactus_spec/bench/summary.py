@@ -139,11 +139,11 @@ def summarise(
         "scored": scored,
         "reference": reference,
         "configs": [summarise_config(c, by_config[c.id], ar, scored) for c in grid],
-        "notes": _notes(grid, reference),
+        "notes": _notes(grid, reference, meta),
     }
 
 
-def _notes(grid: Sequence[Config], reference: str | None) -> list[str]:
+def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = None) -> list[str]:
     notes = []
     if reference is None:
         notes.append("No `ar` configuration in the grid: speedups and bounds are not available.")
@@ -157,4 +157,17 @@ def _notes(grid: Sequence[Config], reference: str | None) -> list[str]:
             "Hugging Face rows report speed (and accuracy) only: generate() does not expose "
             "acceptance counts or forward-pass timings."
         )
+        if _packed(meta or {}):
+            notes.append(
+                "Hugging Face rows run the same model objects as the engine, whose bfloat16 "
+                "linear layers the lean backend repacked for oneDNN (bit-identical products): "
+                "they are faster than stock transformers on the same machine."
+            )
     return notes
+
+
+def _packed(meta: dict) -> bool:
+    """Whether the run's bfloat16 CPU models were repacked by the lean backend."""
+    env, setup = meta.get("environment", {}), meta.get("run", {}).get("setup", {})
+    cpu_bf16 = env.get("device") == "cpu" and env.get("dtype") == "bfloat16"
+    return cpu_bf16 and setup.get("backend", "auto") != "hf"
