@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(2)
     target = load_model("qwen-coder-1.5b", dtype=args.verifier_dtype, quant=args.verifier_quant)
     draft = load_model("qwen-coder-0.5b", quant="int8")
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
+    print(f"peak RSS after loading: {peak_rss_gb():.2f} GB")
     prompts = [item.prompt for item in humaneval_items(args.n)]
     SpeculativeDecoder(target, draft, SpS(), 4).generate(prompts[0], 4)  # page weights in
     configs = [
@@ -50,6 +50,12 @@ def main() -> None:
                 f"verify {s.time_verify_s:.1f} s | total {s.time_total_s:.1f} s",
                 flush=True,
             )
+    print(f"peak RSS after decoding ({setup}): {peak_rss_gb():.2f} GB")
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident set so far, in GB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 if __name__ == "__main__":

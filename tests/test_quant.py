@@ -5,6 +5,8 @@ measure of a quantised verifier is 0 against itself and grows with the quantisat
 from __future__ import annotations
 
 import copy
+import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.packed import PackedLinear, packing_available
 from cactus_spec.backends.quant import Int8Linear, quantize_int8
 from cactus_spec.divergence import PREFIX_TOKENS, measure
+from cactus_spec.models import load_model
 
 IN, OUT = 256, 96
 
@@ -121,3 +124,26 @@ def test_lean_backend_packs_a_bf16_model_in_place_and_keeps_its_logits() -> None
     assert packing_available(model) == any(isinstance(m, PackedLinear) for m in model.modules())
     got = backend.append([3, 17, 42, 8])  # [4, V]
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def _mapped(path) -> bool:
+    """Whether any file under ``path`` is memory-mapped by this process (Linux)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_a_packed_or_quantised_model_does_not_keep_its_checkpoint_mapped(tmp_path, quant) -> None:
+    """Once the linear layers hold their own copies, the safetensors file is unmapped (else
+    every page read while packing stays resident: the model's size again)."""
+    make_tiny_lm().bfloat16().save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="bfloat16")
+    assert _mapped(tmp_path)  # control: a fresh load is a memory map of the file
+    if quant == "int8":
+        quantize_int8(loaded.model)
+    elif packing_available(loaded.model):
+        LeanModel(loaded.model)
+    else:
+        pytest.skip("no oneDNN packing in this torch")
+    gc.collect()
+    assert not _mapped(tmp_path)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from cactus_spec.backends.memory import own_memory
+
 
 def packing_available(model: nn.Module) -> bool:
     """Whether ``model`` is a bfloat16 model on a CPU whose torch has oneDNN's packed linear."""
@@ -33,7 +35,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         weight = linear.weight.detach()  # [E_out, E_in]
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # tuned for 1 row
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -44,9 +46,10 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Replace every bfloat16 ``nn.Linear`` of ``model`` by a ``PackedLinear`` (in place)."""
+    """Replace every bfloat16 ``nn.Linear`` of ``model`` by a ``PackedLinear`` (in place),
+    then give the remaining tensors memory of their own (``own_memory``)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
                 setattr(module, name, PackedLinear(child))
-    return model
+    return own_memory(model)

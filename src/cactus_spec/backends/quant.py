@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from cactus_spec.backends.memory import trim_heap
+
 QUANTS = ("none", "int8")
 
 
@@ -89,10 +91,12 @@ class Int8Linear(nn.Module):
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear of ``model`` (in place) by an ``Int8Linear``; the rest of the
-    model becomes float32. CPU only (fbgemm)."""
-    model.float()
+    model becomes float32. CPU only (fbgemm). Layers are quantised one at a time from their
+    own dtype, so the whole model never exists in float32 at once."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Linear(child))
+    model.float()
+    trim_heap()  # the float32 copies made while quantising
     return model
