@@ -21,8 +21,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 #: Public name -> the module that defines it.
 _EXPORTS = {
     "SpeculativeDecoder": "cactus_spec.engine",
-    "GenerationResult": "cactus_spec.engine",
-    "GenerationStats": "cactus_spec.engine",
+    "GenerationResult": "cactus_spec.generation",
+    "GenerationStats": "cactus_spec.generation",
     "SamplingConfig": "cactus_spec.sampling",
     "Rule": "cactus_spec.rules",
     "SpS": "cactus_spec.rules",

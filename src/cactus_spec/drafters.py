@@ -28,16 +28,25 @@ class Draft:
     probs: Tensor | None
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One row's ask: up to ``k`` tokens after ``context``, drawn with ``generator``."""
+
+    row: int  # the sequence's slot: a stateful drafter keeps a cache per row
+    context: Sequence[int]
+    k: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+
+
 class Drafter(Protocol):
-    """Proposes continuations of a token context."""
+    """Proposes continuations of token contexts, for several rows at once."""
 
-    def reset(self) -> None:
-        """Forget any state from an earlier sequence."""
+    def reset(self, row: int | None = None) -> None:
+        """Forget any state from an earlier sequence in ``row`` (default: every row)."""
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingConfig, generator: torch.Generator
-    ) -> Draft:
-        """Up to ``k`` tokens that may follow ``context``."""
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """For each request, up to ``k`` tokens that may follow its context."""
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -52,40 +61,55 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class ModelDrafter:
     """Drafts by sampling K tokens from a small language model on its own KV cache.
 
-    The cache keeps the longest prefix it shares with the new context (it is
-    rolled back after a rejection, never recomputed), then catches up on the
-    tokens it has not seen (the corrected token, or the last draft and the bonus
-    token after a fully accepted block) in the first of its K forward passes.
+    Each row's cache keeps the longest prefix it shares with the row's new context (it is
+    rolled back after a rejection, never recomputed), then catches up on the tokens it has
+    not seen (the corrected token, or the last draft and the bonus token after a fully
+    accepted block) in the first of its K forward passes. Every draft step is one forward
+    over all rows still drafting; each row draws from its own generator, in the same order
+    as alone.
     """
 
     def __init__(self, backend: Backend, vocab_size: int) -> None:
         self.backend = backend
         self.vocab_size = vocab_size
-        self._cached: list[int] = []
+        self._cached: dict[int, list[int]] = {}
 
-    def reset(self) -> None:
-        self.backend.reset()
-        self._cached = []
+    def reset(self, row: int | None = None) -> None:
+        self.backend.reset(row)
+        if row is None:
+            self._cached = {}
+        else:
+            self._cached.pop(row, None)
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingConfig, generator: torch.Generator
-    ) -> Draft:
-        keep = common_prefix_length(self._cached, context)
-        keep = min(keep, len(context) - 1)  # always feed at least one token
-        self.backend.rollback(keep)
-        pending = list(context[keep:])
-        tokens: list[int] = []
-        rows: list[Tensor] = []
-        for step in range(k):
-            logits = self.backend.append(pending, keep=1)[-1:, : self.vocab_size]  # [1, V]
-            probs = logits_to_probs(logits, sampling)  # [1, V]
-            token = _draw(probs, sampling, generator)
-            rows.append(probs)
-            tokens.append(token)
-            if step < k - 1:
-                pending = [token]
-        self._cached = list(context) + tokens[:-1]
-        return Draft(tokens, torch.cat(rows))
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        pending = [self._catch_up(r) for r in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        rows: list[list[Tensor]] = [[] for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.k > 0]
+        while active:
+            feeds = [pending[i] for i in active]
+            logits = self.backend.append_ragged(feeds, [requests[i].row for i in active], True)
+            for i, row_logits in zip(active, logits, strict=True):
+                probs = logits_to_probs(row_logits[-1:, : self.vocab_size], requests[i].sampling)
+                token = _draw(probs, requests[i].sampling, requests[i].generator)  # probs [1, V]
+                rows[i].append(probs)
+                tokens[i].append(token)
+                pending[i] = [token]
+            active = [i for i in active if len(tokens[i]) < requests[i].k]
+        drafts = []
+        for request, drafted, probs in zip(requests, tokens, rows, strict=True):
+            if drafted:  # the cache holds the context and every draft but the last
+                self._cached[request.row] = list(request.context) + drafted[:-1]
+            drafts.append(Draft(drafted, torch.cat(probs) if probs else None))
+        return drafts
+
+    def _catch_up(self, request: DraftRequest) -> list[int]:
+        """Roll the row's cache back to what it shares with the context; the tokens to feed."""
+        cached = self._cached.get(request.row, [])
+        keep = min(common_prefix_length(cached, request.context), len(request.context) - 1)
+        self.backend.rollback(keep, request.row)  # always feed at least one token
+        self._cached[request.row] = list(request.context[:keep])
+        return list(request.context[keep:])
 
 
 def _draw(probs: Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -113,12 +137,16 @@ class NGramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def reset(self) -> None:
+    def reset(self, row: int | None = None) -> None:
         """Stateless: nothing to forget."""
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingConfig, generator: torch.Generator
-    ) -> Draft:
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        return [self.propose_one(r.context, r.k) for r in requests]
+
+    def propose_one(self, context: Sequence[int], k: int) -> Draft:
+        """Up to ``k`` tokens that followed the latest earlier match of the context's end."""
+        if k < 1:
+            return Draft([], None)
         ids = torch.as_tensor(context, dtype=torch.long)  # [L]
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             start = latest_match(ids, n)

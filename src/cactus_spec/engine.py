@@ -1,10 +1,11 @@
-"""The draft -> verify -> accept -> roll back loop, and its statistics.
+"""The public decoder: loads the verifier and the drafter, encodes prompts, and generates.
 
-One iteration, batch size 1: the drafter proposes K tokens; the verifier scores
-``[t, d_1..d_K]`` (t = the last emitted token, not yet in its cache) in ONE
-forward pass, giving K+1 rows of q; ``verify`` keeps m drafts and emits one more
-token; the verifier's cache is rolled back to the kept prefix. With no draft
-(K = 0, the autoregressive baseline) the same step samples one token from q.
+One iteration (``stepper``): the drafter proposes K tokens; the verifier scores
+``[t, d_1..d_K]`` (t = the last emitted token, not yet in its cache) in ONE forward pass,
+giving K+1 rows of q; ``verify`` keeps m drafts and emits one more token; the verifier's
+cache is rolled back to the kept prefix. With no draft (K = 0, the autoregressive baseline)
+the same step samples one token from q. ``generate`` decodes one sequence in row 0; the
+scheduler (``scheduler``) decodes many at once through the same stepper.
 
 The divergence meter sums, over every emitted drafted position, the exact
 KL(step_law || q) from ``audit``: an unbiased estimate of the sequence-level
@@ -14,151 +15,26 @@ KL(P_method || P_verifier) in nats (0 for SpS and at temperature 0).
 from __future__ import annotations
 
 import numbers
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from cactus_spec.audit import step_divergences
-from cactus_spec.backends.base import Backend
 from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.quant import check_quant
 from cactus_spec.divergence import Divergence, quant_divergence
-from cactus_spec.drafters import Draft, Drafter, ModelDrafter, NGramDrafter
+from cactus_spec.drafters import Drafter, ModelDrafter, NGramDrafter
+from cactus_spec.generation import Generation, GenerationResult, GenerationStats
 from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.models import LoadedModel, check_same_vocabulary, load_model
 from cactus_spec.rules import Rule, SpS
-from cactus_spec.sampling import (
-    SamplingConfig,
-    check_seed,
-    logits_to_probs,
-    sample_inverse_cdf,
-    uniforms,
-)
-from cactus_spec.verification import verify
+from cactus_spec.sampling import SamplingConfig, check_seed
+from cactus_spec.stepper import Stepper
+
+__all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_prompt_text"]
 
 ModelSource = str | LoadedModel | PreTrainedModel
-
-
-class TimedBackend:
-    """A backend wrapper that adds up the wall time of its forward passes."""
-
-    def __init__(self, backend: Backend, device: torch.device) -> None:
-        self.inner = backend
-        self.seconds = 0.0
-        self._sync = device.type == "cuda"
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def append(self, token_ids: Sequence[int], keep: int = 0) -> Tensor:
-        start = time.perf_counter()
-        logits = self.inner.append(token_ids, keep=keep)
-        if self._sync:
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
-        return logits
-
-
-@dataclass
-class GenerationStats:
-    """Counts, timings and the divergence meter of one ``generate`` call.
-
-    Only what was emitted counts. An iteration verifies its drafts and emits the
-    accepted ones plus one token of its own (the correction or the bonus), unless
-    EOS, a stop string or the token budget ends generation first: then the tokens
-    after the end are dropped, and so are the drafts among them. So
-
-    - ``drafted``: tokens the drafter proposed (work done, emitted or not);
-    - ``accepted``: drafted tokens that were accepted *and emitted* (an EOS draft
-      counts; drafts verified after it do not);
-    - ``new_tokens == accepted + iterations`` when every iteration emitted its own
-      token, ``accepted + iterations - 1`` when generation ended inside the last
-      iteration's accepted drafts;
-    - ``reached_by_position[j]`` / ``accepted_by_position[j]``: iterations in which
-      draft position j had its verdict emitted (the chain reached it and generation
-      had not ended before it) / in which it was accepted and emitted;
-    - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
-      emitted a token (see the module docstring).
-    """
-
-    iterations: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    new_tokens: int = 0
-    reached_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    time_draft_s: float = 0.0
-    time_verify_s: float = 0.0
-    time_audit_s: float = 0.0
-    time_total_s: float = 0.0
-    kl_nats: float = 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Accepted drafts per iteration."""
-        return self.accepted / self.iterations if self.iterations else 0.0
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        """Rate at which draft position j is accepted, given the chain reached it."""
-        pairs = zip(self.accepted_by_position, self.reached_by_position, strict=True)
-        return [a / r if r else 0.0 for a, r in pairs]
-
-    @property
-    def time_other_s(self) -> float:
-        """Wall time outside the two models' forward passes and the divergence meter."""
-        spent = self.time_draft_s + self.time_verify_s + self.time_audit_s
-        return max(0.0, self.time_total_s - spent)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.time_total_s if self.time_total_s else 0.0
-
-    @property
-    def kl_nats_per_token(self) -> float:
-        return self.kl_nats / self.new_tokens if self.new_tokens else 0.0
-
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
-        """Count one iteration that drafted ``drafted`` tokens, accepted ``accepted`` of them
-        and emitted the first ``emitted`` of its ``accepted + 1`` tokens."""
-        self.iterations += 1
-        self.drafted += drafted
-        kept = min(accepted, emitted)  # accepted drafts that were emitted
-        self.accepted += kept
-        reached = min(accepted + 1, drafted) if emitted > accepted else kept
-        grow = drafted - len(self.reached_by_position)
-        if grow > 0:
-            self.reached_by_position += [0] * grow
-            self.accepted_by_position += [0] * grow
-        for j in range(reached):
-            self.reached_by_position[j] += 1
-        for j in range(kept):
-            self.accepted_by_position[j] += 1
-
-    def as_dict(self) -> dict:
-        """Every field and derived figure, JSON-ready."""
-        derived = (
-            "mean_accepted",
-            "acceptance_by_position",
-            "time_other_s",
-            "tokens_per_s",
-            "kl_nats_per_token",
-        )
-        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
-
-
-@dataclass
-class GenerationResult:
-    """``token_ids``: the new tokens only; ``text``: None without a tokenizer."""
-
-    token_ids: list[int]
-    text: str | None
-    stats: GenerationStats
-    interrupted: bool = False
 
 
 def _as_loaded(name: str, source: ModelSource, dtype, device, threads, quant) -> LoadedModel:
@@ -203,6 +79,7 @@ class SpeculativeDecoder:
         backend: str = "auto",
         draft_quant: str = "int8",
         verifier_quant: str = "none",
+        max_batch: int = 1,
     ) -> None:
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
@@ -210,6 +87,8 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if rule is not None and not isinstance(rule, Rule):
             raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {rule!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.rule = rule if rule is not None else SpS()
         self.num_draft_tokens = num_draft_tokens
         check_quant(draft_quant, "draft_quant")
@@ -217,12 +96,14 @@ class SpeculativeDecoder:
             "target", target, dtype, device, threads, check_quant(verifier_quant, "verifier_quant")
         )
         self.tokenizer = self.target.tokenizer
-        self.target_backend = TimedBackend(make_backend(self.target, backend), self.target.device)
+        self.target_backend = make_backend(self.target, backend, max_batch)
+        self.max_batch = max_batch
         self.vocab_size = self.target_backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
         load = {"dtype": dtype, "device": device, "threads": threads, "quant": draft_quant}
         self.drafter = self._make_drafter(draft, drafter, load, backend)
+        self.stepper = Stepper(self.target_backend, self.drafter, self.vocab_size)
 
     def _make_drafter(self, draft, drafter, load: dict, backend: str) -> Drafter | None:
         if not isinstance(drafter, str):
@@ -235,7 +116,7 @@ class SpeculativeDecoder:
             return None
         loaded = _as_loaded("draft", draft, **load)
         self.vocab_size = check_same_vocabulary(self.target, loaded)
-        return ModelDrafter(make_backend(loaded, backend), self.vocab_size)
+        return ModelDrafter(make_backend(loaded, backend, self.max_batch), self.vocab_size)
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Prompt text (through the chat template when the tokenizer has one) or ids -> ids."""
@@ -244,10 +125,7 @@ class SpeculativeDecoder:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             if chat and getattr(self.tokenizer, "chat_template", None):
-                messages = [{"role": "user", "content": prompt}]
-                prompt = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
+                return self.encode_chat([{"role": "user", "content": prompt}])
             return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         ids = _token_ids(prompt)
         if not ids:
@@ -255,6 +133,16 @@ class SpeculativeDecoder:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Chat messages ({"role", "content"}) through the chat template, with the prompt of
+        the assistant's turn, -> ids."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat needs a tokenizer with a chat template")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def generate(
         self,
@@ -284,8 +172,47 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode(prompt, chat)
         self.check_context(len(prompt_ids), max_new_tokens)
-        run = _Run(self, prompt_ids, max_new_tokens, sampling, seed, stop, on_text)
-        return run.execute()
+        generation = self.new_generation(
+            prompt_ids, max_new_tokens, sampling, seed, stop=stop, on_text=on_text
+        )
+        try:
+            self.stepper.prefill([generation])
+            while not generation.done:
+                self.stepper.step([generation], [self.num_draft_tokens])
+        except KeyboardInterrupt:
+            return generation.finish(interrupted=True)
+        return generation.finish()
+
+    def new_generation(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        rule: Rule | None | str = "default",
+        num_draft_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        row: int = 0,
+    ) -> Generation:
+        """A generation of ``prompt_ids`` in ``row``, with this decoder's rule unless ``rule``
+        is given (None: autoregressive). Without a drafter nothing is ever drafted."""
+        rule = self.rule if rule == "default" else rule
+        return Generation(
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            seed,
+            rule=rule if self.drafter is not None else None,
+            num_draft_tokens=num_draft_tokens,
+            eos_ids=self.target.eos_ids,
+            tokenizer=self.tokenizer,
+            stop=stop,
+            on_text=on_text,
+            device=self.target.device,
+            row=row,
+        )
 
     def verifier_divergence(self) -> Divergence | None:
         """How far a quantised verifier's law is from its bfloat16 original (KL in nats per
@@ -334,172 +261,3 @@ def _token_ids(prompt: Sequence[int] | Tensor) -> list[int]:
     if bad:
         raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
     return [int(t) for t in ids]
-
-
-class _Run:
-    """State of one generate call: context, caches, statistics, stop conditions."""
-
-    def __init__(self, decoder, prompt_ids, max_new_tokens, sampling, seed, stop, on_text):
-        self.d = decoder
-        self.context = list(prompt_ids)
-        self.prompt_len = len(prompt_ids)
-        self.max_new = max_new_tokens
-        self.sampling = sampling
-        self.generator = torch.Generator(device=decoder.target.device).manual_seed(seed)
-        self.stop = list(stop or [])
-        self.on_text = on_text
-        self.stats = GenerationStats()
-        self.eos = decoder.target.eos_ids
-        self.streamed = ""
-        self.done = False
-
-    @property
-    def new_ids(self) -> list[int]:
-        return self.context[self.prompt_len :]
-
-    def execute(self) -> GenerationResult:
-        d = self.d
-        d.target_backend.reset()
-        d.target_backend.seconds = 0.0
-        if d.drafter is not None:
-            d.drafter.reset()
-        start = time.perf_counter()
-        interrupted = False
-        try:
-            if self.prompt_len > 1:
-                d.target_backend.append(self.context[:-1], keep=1)
-            while not self.done:
-                self.step()
-        except KeyboardInterrupt:
-            interrupted = True
-        self.stats.time_total_s = time.perf_counter() - start
-        self.stats.time_verify_s = d.target_backend.seconds
-        self.stats.new_tokens = len(self.new_ids)
-        return GenerationResult(self.new_ids, self.text(), self.stats, interrupted)
-
-    def step(self) -> None:
-        """One iteration: draft, score in one pass, verify, roll back, emit."""
-        budget = self.max_new - len(self.new_ids) - 1  # drafts beyond it would be cut anyway
-        draft = self.propose(min(self.d.num_draft_tokens, budget))
-        k = len(draft.tokens)
-        backend = self.d.target_backend
-        kept = backend.length
-        logits = backend.append([self.context[-1], *draft.tokens], keep=k + 1)
-        q = logits_to_probs(logits[:, : self.d.vocab_size], self.sampling)  # [K+1, V]
-        tokens = [self._sample(q)] if k == 0 else self._verify(draft, q)
-        accepted = len(tokens) - 1
-        backend.rollback(kept + 1 + accepted)
-        emitted = self.emit(tokens)
-        self.stats.record(k, accepted, emitted)
-        if k and not self.sampling.greedy and not self.d.rule.lossless:
-            self._meter(draft, q, min(emitted, k))
-
-    def propose(self, k: int) -> Draft:
-        """The drafter's proposal of up to ``k`` tokens, its wall time counted as draft time."""
-        if self.d.drafter is None or k < 1:
-            return Draft([], None)
-        start = time.perf_counter()
-        draft = self.d.drafter.propose(self.context, k, self.sampling, self.generator)
-        self.stats.time_draft_s += time.perf_counter() - start
-        return draft
-
-    def _sample(self, q: Tensor) -> int:
-        if self.sampling.greedy:
-            return int(q[-1].argmax())
-        u = uniforms(1, 1, self.generator, q.device)[:, 0]
-        return int(sample_inverse_cdf(q[-1:], u))
-
-    def _verify(self, draft: Draft, q: Tensor) -> list[int]:
-        """Run ``verify`` on the chain: the accepted drafts, then the token of its own."""
-        ids = torch.tensor([draft.tokens], dtype=torch.long, device=q.device)  # [1, K]
-        p = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, K, V]
-        out = verify(
-            ids, q.unsqueeze(0), self.d.rule, p, self.generator, self.sampling.greedy, False
-        )
-        accepted = int(out.num_accepted[0])
-        return out.tokens[0, : accepted + 1].tolist()
-
-    def _meter(self, draft: Draft, q: Tensor, positions: int) -> None:
-        """Add KL(law || q) of the first ``positions`` drafted positions (those that
-        emitted a token) to the divergence meter; q [K+1, V]."""
-        start = time.perf_counter()
-        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
-        p = draft.probs if draft.probs is not None else _one_hot(ids, q)  # [K, V]
-        divergence = step_divergences(p[:positions], q[:positions], self.d.rule)  # [positions]
-        self.stats.kl_nats += float(divergence.sum())
-        self.stats.time_audit_s += time.perf_counter() - start
-
-    def emit(self, tokens: list[int]) -> int:
-        """Append tokens, honouring the budget, EOS and stop strings; stream new text.
-        Returns how many of ``tokens`` were kept."""
-        kept = 0
-        for token in tokens:
-            self.context.append(token)
-            kept += 1
-            if token in self.eos or len(self.new_ids) >= self.max_new:
-                self.done = True
-                break
-        if self.d.tokenizer is None or (not self.stop and self.on_text is None):
-            return kept  # nothing to look for in the text: skip decoding it on the hot path
-        full = self._decode()
-        cut = _first_stop(full, self.stop)
-        if cut is not None:
-            kept = self._cut_at_stop(kept)
-            self.done = True
-        if self.on_text is not None:
-            self._stream(full[:cut])
-        return kept
-
-    def _cut_at_stop(self, kept: int) -> int:
-        """Drop the tokens after the one that completed a stop string; return how many of
-        this iteration's ``kept`` tokens remain."""
-        start = len(self.context) - kept
-        for count in range(1, kept):
-            text = self._decode(self.context[self.prompt_len : start + count])
-            if _first_stop(text, self.stop) is not None:
-                del self.context[start + count :]
-                return count
-        return kept
-
-    def _stream(self, text: str) -> None:
-        """Pass on the text not yet streamed, holding back what may still change: a
-        partial multi-byte character or the start of a stop string."""
-        if not self.done:
-            text = text.rstrip("\ufffd")
-            text = text[: len(text) - _held_back(text, self.stop)]
-        if text.startswith(self.streamed) and len(text) > len(self.streamed):
-            self.on_text(text[len(self.streamed) :])
-            self.streamed = text
-
-    def _decode(self, ids: list[int] | None = None) -> str:
-        """The text of ``ids`` (default: every new token)."""
-        ids = self.new_ids if ids is None else ids
-        return self.d.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def text(self) -> str | None:
-        """The new text, cut before the first stop string; None without a tokenizer."""
-        if self.d.tokenizer is None:
-            return None
-        text = self._decode()
-        return text[: _first_stop(text, self.stop)]
-
-
-def _one_hot(token: Tensor, like: Tensor) -> Tensor:
-    return torch.nn.functional.one_hot(token, like.shape[-1]).to(like.dtype)
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in text, or None."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters could still become a stop string (not streamed yet)."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                longest = max(longest, n)
-                break
-    return longest

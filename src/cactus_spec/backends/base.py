@@ -23,15 +23,33 @@ class Backend(Protocol):
         """Maximum number of tokens the cache can hold."""
 
     @property
+    def slots(self) -> int:
+        """How many rows (sequences) the cache holds, each with its own length."""
+
+    @property
     def length(self) -> int:
-        """Number of tokens currently in the cache."""
+        """Number of tokens currently in row 0 of the cache."""
+
+    def length_of(self, row: int) -> int:
+        """Number of tokens currently in ``row`` of the cache."""
 
     def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """Feed tokens after the cached ones; return float32 logits of the last `keep` new
-        positions (all T when keep = 0) [T or keep, V]."""
+        """Feed tokens to row 0 after the cached ones; return float32 logits of the last
+        `keep` new positions (all T when keep = 0) [T or keep, V]."""
 
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens."""
+    def append_ragged(
+        self,
+        token_lists: list[list[int]],
+        rows: list[int],
+        last_only: bool = False,
+        keep: int = 0,
+    ) -> list[torch.Tensor]:
+        """Feed row ``rows[i]`` the tokens ``token_lists[i]``, every row in one pass where the
+        backend batches; return each row's float32 logits [T_i, V] (its last ``keep``, or its
+        last one when ``last_only``)."""
 
-    def reset(self) -> None:
-        """Empty the cache."""
+    def rollback(self, length: int, row: int = 0) -> None:
+        """Keep only the first `length` cached tokens of ``row``."""
+
+    def reset(self, row: int | None = None) -> None:
+        """Empty ``row``, or every row."""

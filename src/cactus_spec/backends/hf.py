@@ -31,8 +31,30 @@ class TransformersBackend:
         return self.model.config.get_text_config().max_position_embeddings
 
     @property
+    def slots(self) -> int:
+        """One row: a DynamicCache holds one sequence here."""
+        return 1
+
+    @property
     def length(self) -> int:
         return self._length
+
+    def length_of(self, row: int) -> int:
+        _check_row(row)
+        return self._length
+
+    def append_ragged(
+        self,
+        token_lists: list[list[int]],
+        rows: list[int],
+        last_only: bool = False,
+        keep: int = 0,
+    ) -> list[torch.Tensor]:
+        """``append`` for the one row (``rows == [0]``), in the batched interface's shape."""
+        for row in rows:
+            _check_row(row)
+        (ids,) = token_lists
+        return [self.append(ids, keep=1 if last_only else keep)]
 
     def append(self, token_ids: Sequence[int] | torch.Tensor, keep: int = 0) -> torch.Tensor:
         """Run one forward pass over `token_ids`; return float32 logits [T, V] (or of the last
@@ -58,15 +80,23 @@ class TransformersBackend:
         self._length += count
         return out.logits[0].float()  # [T, V]
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, length: int, row: int = 0) -> None:
         """Drop cached tokens after the first `length`, without recomputing anything."""
+        _check_row(row)
         if not 0 <= length <= self._length:
             raise ValueError(f"rollback length must be in [0, {self._length}]; got {length}")
         if length < self._length:
             self._cache.crop(length - self._length)  # transformers 5.x: negative = tokens to drop
             self._length = length
 
-    def reset(self) -> None:
+    def reset(self, row: int | None = None) -> None:
         """Start over with an empty cache."""
+        if row is not None:
+            _check_row(row)
         self._cache = DynamicCache(config=self.model.config)
         self._length = 0
+
+
+def _check_row(row: int) -> None:
+    if row != 0:
+        raise ValueError(f"row must be 0 (the transformers backend holds one row), got {row}")

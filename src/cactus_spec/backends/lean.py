@@ -124,14 +124,20 @@ class KVCache:
         self.values = torch.zeros(first, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.size = size
+        self._rows: list[int] = []  # the rows a forward feeds
+        self._index: Tensor | None = None  # [b] those rows, None = every row
         self._starts: list[int] = []  # where each row's new tokens go
         self._mask: Tensor | None = None  # [B, 1, T, S'] which keys each query sees
         self._end = 0
 
-    def begin(self, count: int) -> Tensor:
-        """Prepare a forward of ``count`` new tokens per row; return their positions [B, T]."""
+    def begin(self, count: int, rows: list[int] | None = None) -> Tensor:
+        """Prepare a forward of ``count`` new tokens for each of ``rows`` (default: every row);
+        return their positions [b, T]."""
         device = self.lengths.device
-        positions = self.lengths[:, None] + torch.arange(count, device=device)  # [B, T]
+        self._rows = list(range(self.lengths.shape[0])) if rows is None else list(rows)
+        self._index = None if rows is None else torch.tensor(self._rows, device=device)  # [b]
+        lengths = self.lengths if rows is None else self.lengths[self._index]  # [b]
+        positions = lengths[:, None] + torch.arange(count, device=device)  # [b, T]
         self._end = int(positions.max()) + 1
         if self._end > self.size:
             raise ValueError(f"context overflow: {self._end} tokens exceed the cache ({self.size})")
@@ -139,8 +145,15 @@ class KVCache:
             self._grow(min(self.size, max(self._end, 2 * self.keys.shape[3])))
         keys_at = torch.arange(self._end, device=device)  # [S']
         self._mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
-        self._starts = self.lengths.tolist()
+        self._starts = lengths.tolist()
         return positions
+
+    def advance(self, counts: Tensor | int) -> None:
+        """Grow the lengths of the rows of the last ``begin`` by ``counts`` (int or [b])."""
+        if self._index is None:
+            self.lengths += counts
+        else:
+            self.lengths[self._index] += counts
 
     def _grow(self, capacity: int) -> None:
         """Reallocate keys and values for ``capacity`` tokens per row, keeping their content."""
@@ -151,14 +164,19 @@ class KVCache:
             setattr(self, name, new)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Store k, v [B, H_kv, T, D] at the rows' new positions; return the keys and values
-        up to the furthest position written [B, H_kv, S', D] and the attention mask."""
+        """Store k, v [b, H_kv, T, D] at the new positions of the rows of the last ``begin``;
+        return their keys and values up to the furthest position written [b, H_kv, S', D]
+        and the attention mask."""
         count = k.shape[2]
-        for row, start in enumerate(self._starts):  # slice writes: no copy of the cache
-            self.keys[layer, row, :, start : start + count] = k[row]
-            self.values[layer, row, :, start : start + count] = v[row]
+        for i, (row, start) in enumerate(zip(self._rows, self._starts, strict=True)):
+            self.keys[layer, row, :, start : start + count] = k[i]  # slices: no copy
+            self.values[layer, row, :, start : start + count] = v[i]
         end = self._end
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask
+        if self._index is None:
+            return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask
+        keys = self.keys[layer, :, :, :end].index_select(0, self._index)
+        values = self.values[layer, :, :, :end].index_select(0, self._index)
+        return keys, values, self._mask
 
 
 class LeanModel(nn.Module):
@@ -202,29 +220,49 @@ class LeanModel(nn.Module):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: KVCache, keep: int = 0) -> Tensor:
-        """Feed tokens [B, T] after each row's cached ones; return float32 logits of the last
-        ``keep`` positions [B, keep, V] (all T when keep = 0). Row lengths grow by T."""
-        positions = cache.begin(tokens.shape[1])  # [B, T]
-        rope = self.rope(positions)
-        x = self.embed(tokens)  # [B, T, E]
-        for layer, block in enumerate(self.blocks):
-            x = block(x, rope, cache, layer)
+    def forward(
+        self, tokens: Tensor, cache: KVCache, rows: list[int] | None = None, keep: int = 0
+    ) -> Tensor:
+        """Feed tokens [b, T] to ``rows`` of the cache (default: every row), after each row's
+        cached ones; return float32 logits of the last ``keep`` positions [b, keep, V] (all T
+        when keep = 0). Those rows' lengths grow by T."""
+        x = self.hidden(tokens, cache, rows)
         if keep:
             x = x[:, -keep:]
-        cache.lengths += tokens.shape[1]
-        return self.lm_head(self.norm(x)).float()  # [B, keep or T, V]
+        cache.advance(tokens.shape[1])
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def hidden(self, tokens: Tensor, cache: KVCache, rows: list[int] | None = None) -> Tensor:
+        """Hidden states [b, T, E] after the last block; writes the rows' caches but leaves
+        their lengths to the caller (``cache.advance``)."""
+        positions = cache.begin(tokens.shape[1], rows)  # [b, T]
+        rope = self.rope(positions)
+        x = self.embed(tokens)  # [b, T, E]
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rope, cache, layer)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: Tensor) -> Tensor:
+        """Float32 logits [..., V] of hidden states [..., E]."""
+        return self.lm_head(self.norm(x)).float()
 
 
 #: Cache size when the caller gives none: enough for long chats, 235 MB for the 1.5B verifier.
 DEFAULT_CONTEXT = 8192
 
 
-class LeanBackend:
-    """The Backend protocol over ``LeanModel``: ``batch`` rows, each with its own length.
+#: Rows fed more tokens than this get a forward of their own, so a prompt being prefilled
+#: does not pad every decoding row to its length.
+_SHARED_FORWARD_TOKENS = 16
 
-    ``append``/``rollback``/``length`` act on row 0 (the engine decodes one sequence);
-    ``append_rows`` feeds every row at once.
+
+class LeanBackend:
+    """The Backend protocol over ``LeanModel``: ``slots`` rows, each with its own length.
+
+    ``append``/``rollback``/``length`` act on row 0 by default (a batch of one);
+    ``append_ragged`` feeds any rows at once, each its own number of tokens.
     """
 
     def __init__(self, model: LeanModel, batch: int = 1, context_length: int | None = None):
@@ -241,30 +279,85 @@ class LeanBackend:
         return self.cache.size
 
     @property
+    def slots(self) -> int:
+        """How many rows the cache holds."""
+        return self.cache.lengths.shape[0]
+
+    @property
     def length(self) -> int:
-        return int(self.cache.lengths[0])
+        return self.length_of(0)
+
+    def length_of(self, row: int) -> int:
+        """Tokens cached in ``row``."""
+        return int(self.cache.lengths[row])
 
     def append_rows(self, tokens: Tensor, keep: int = 0) -> Tensor:
         """Feed tokens [B, T] to every row after its own cached ones; float32 logits
         [B, keep or T, V]."""
-        if tokens.dim() != 2 or tokens.shape[0] != self.cache.lengths.shape[0]:
-            raise ValueError(f"tokens must have shape [{self.cache.lengths.shape[0]}, T]")
+        if tokens.dim() != 2 or tokens.shape[0] != self.slots:
+            raise ValueError(f"tokens must have shape [{self.slots}, T]")
         if tokens.shape[1] == 0:
             raise ValueError("append needs at least one token")
-        return self.model(tokens.to(self.cache.lengths.device), self.cache, keep)
+        return self.model(tokens.to(self.cache.lengths.device), self.cache, keep=keep)
 
-    def append(self, token_ids, keep: int = 0) -> Tensor:
-        """Feed tokens to row 0 (a batch of one); float32 logits [keep or T, V]."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)  # [1, T]
-        return self.append_rows(ids, keep)[0]
+    def append(self, token_ids, keep: int = 0, row: int = 0) -> Tensor:
+        """Feed tokens to one row; float32 logits [keep or T, V]."""
+        return self.append_ragged([list(token_ids)], [row], last_only=False, keep=keep)[0]
+
+    def append_ragged(
+        self,
+        token_lists: list[list[int]],
+        rows: list[int],
+        last_only: bool = False,
+        keep: int = 0,
+    ) -> list[Tensor]:
+        """Feed row ``rows[i]`` the tokens ``token_lists[i]`` after its cached ones, in as few
+        forwards as padding allows (right-padded, then each row's length set to its real
+        count, so padding is never seen); return each row's float32 logits [T_i, V], of its
+        last ``keep`` tokens when keep > 0, or of its last token when ``last_only``."""
+        if any(len(ids) == 0 for ids in token_lists):
+            raise ValueError("append needs at least one token")
+        short = [i for i, ids in enumerate(token_lists) if len(ids) <= _SHARED_FORWARD_TOKENS]
+        groups = [short] if short else []
+        groups += [[i] for i in range(len(token_lists)) if i not in set(short)]
+        out: list[Tensor | None] = [None] * len(token_lists)
+        for group in groups:
+            lists = [token_lists[i] for i in group]
+            logits = self._forward_padded(lists, [rows[i] for i in group], last_only, keep)
+            for i, rows_logits in zip(group, logits, strict=True):
+                out[i] = rows_logits
+        return out
+
+    def _forward_padded(self, lists, rows, last_only, keep) -> list[Tensor]:
+        """One forward of right-padded token lists over ``rows``."""
+        width = max(len(ids) for ids in lists)
+        device = self.cache.lengths.device
+        padded = torch.zeros(len(lists), width, dtype=torch.long)
+        for i, ids in enumerate(lists):
+            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        counts = torch.tensor([len(ids) for ids in lists], device=device)  # [b]
+        x = self.model.hidden(padded.to(device), self.cache, rows)  # [b, T, E]
+        self.cache.advance(counts)
+        lengths = counts.tolist()
+        sizes = [1 if last_only else keep or n for n in lengths]
+        at = [  # flat positions of each row's last ``size`` real tokens
+            i * width + n - size + j
+            for i, (n, size) in enumerate(zip(lengths, sizes, strict=True))
+            for j in range(size)
+        ]
+        picked = x.reshape(-1, x.shape[-1])[torch.tensor(at, device=device)]  # [N, E]
+        return list(self.model.logits(picked).split(sizes))  # b x [T_i, V]
 
     def rollback(self, length: int, row: int = 0) -> None:
         """Keep only the first ``length`` cached tokens of ``row``: O(1), nothing recomputed."""
-        current = int(self.cache.lengths[row])
+        current = self.length_of(row)
         if not 0 <= length <= current:
             raise ValueError(f"rollback length must be in [0, {current}]; got {length}")
         self.cache.lengths[row] = length
 
-    def reset(self) -> None:
-        """Empty every row."""
-        self.cache.lengths.zero_()
+    def reset(self, row: int | None = None) -> None:
+        """Empty ``row`` (default: every row)."""
+        if row is None:
+            self.cache.lengths.zero_()
+        else:
+            self.cache.lengths[row] = 0

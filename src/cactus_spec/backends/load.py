@@ -10,15 +10,22 @@ from cactus_spec.models import LoadedModel
 BACKENDS = ("auto", "lean", "hf")
 
 
-def make_backend(loaded: LoadedModel, kind: str = "auto") -> Backend:
+def make_backend(loaded: LoadedModel, kind: str = "auto", slots: int = 1) -> Backend:
     """A backend over ``loaded``: ``lean`` (Qwen2/Llama in plain torch, static per-row
     cache), ``hf`` (any transformers model), or ``auto`` (lean when it supports the model).
-    The cache holds the model's full context, at most ``lean.DEFAULT_CONTEXT`` tokens."""
+    The cache holds ``slots`` rows of the model's full context, at most
+    ``lean.DEFAULT_CONTEXT`` tokens each; the transformers backend holds one row."""
     if kind not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
     reason = unsupported_reason(loaded.model)
     if kind == "hf" or (kind == "auto" and reason is not None):
+        if slots > 1:
+            why = f" ({reason})" if reason else ""
+            raise ValueError(
+                f"a batch of {slots} rows needs the lean backend; the transformers backend"
+                f"{why} decodes one sequence at a time (use max batch 1)"
+            )
         return TransformersBackend(loaded.model)
     if reason is not None:
         raise ValueError(f"backend lean does not support {reason}; use backend hf or auto")
-    return LeanBackend(LeanModel(loaded.model))
+    return LeanBackend(LeanModel(loaded.model), batch=slots)

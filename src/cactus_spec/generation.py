@@ -1,0 +1,255 @@
+"""One generation's state: its context, sampling, seed, rule, stop conditions and statistics.
+
+A ``Generation`` occupies one row (slot) of the backends' caches while it decodes; the
+stepper (``stepper``) advances any number of them together. Everything that belongs to a
+single sequence lives here: what to emit (budget, EOS, stop strings), what to stream, and
+the counts of its iterations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from cactus_spec.rules import Rule
+from cactus_spec.sampling import SamplingConfig
+
+
+@dataclass
+class GenerationStats:
+    """Counts, timings and the divergence meter of one ``generate`` call.
+
+    Only what was emitted counts. An iteration verifies its drafts and emits the
+    accepted ones plus one token of its own (the correction or the bonus), unless
+    EOS, a stop string or the token budget ends generation first: then the tokens
+    after the end are dropped, and so are the drafts among them. So
+
+    - ``drafted``: tokens the drafter proposed (work done, emitted or not);
+    - ``accepted``: drafted tokens that were accepted *and emitted* (an EOS draft
+      counts; drafts verified after it do not);
+    - ``new_tokens == accepted + iterations`` when every iteration emitted its own
+      token, ``accepted + iterations - 1`` when generation ended inside the last
+      iteration's accepted drafts;
+    - ``reached_by_position[j]`` / ``accepted_by_position[j]``: iterations in which
+      draft position j had its verdict emitted (the chain reached it and generation
+      had not ended before it) / in which it was accepted and emitted;
+    - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
+      emitted a token (see the module docstring).
+    """
+
+    iterations: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    reached_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_audit_s: float = 0.0
+    time_total_s: float = 0.0
+    kl_nats: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per iteration."""
+        return self.accepted / self.iterations if self.iterations else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Rate at which draft position j is accepted, given the chain reached it."""
+        pairs = zip(self.accepted_by_position, self.reached_by_position, strict=True)
+        return [a / r if r else 0.0 for a, r in pairs]
+
+    @property
+    def time_other_s(self) -> float:
+        """Wall time outside the two models' forward passes and the divergence meter."""
+        spent = self.time_draft_s + self.time_verify_s + self.time_audit_s
+        return max(0.0, self.time_total_s - spent)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_total_s if self.time_total_s else 0.0
+
+    @property
+    def kl_nats_per_token(self) -> float:
+        return self.kl_nats / self.new_tokens if self.new_tokens else 0.0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """Count one iteration that drafted ``drafted`` tokens, accepted ``accepted`` of them
+        and emitted the first ``emitted`` of its ``accepted + 1`` tokens."""
+        self.iterations += 1
+        self.drafted += drafted
+        kept = min(accepted, emitted)  # accepted drafts that were emitted
+        self.accepted += kept
+        reached = min(accepted + 1, drafted) if emitted > accepted else kept
+        grow = drafted - len(self.reached_by_position)
+        if grow > 0:
+            self.reached_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for j in range(reached):
+            self.reached_by_position[j] += 1
+        for j in range(kept):
+            self.accepted_by_position[j] += 1
+
+    def as_dict(self) -> dict:
+        """Every field and derived figure, JSON-ready."""
+        derived = (
+            "mean_accepted",
+            "acceptance_by_position",
+            "time_other_s",
+            "tokens_per_s",
+            "kl_nats_per_token",
+        )
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclass
+class GenerationResult:
+    """``token_ids``: the new tokens only; ``text``: None without a tokenizer."""
+
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+    interrupted: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", None if cut off
+
+
+class Generation:
+    """The state of one sequence being decoded in row ``row`` of the caches.
+
+    ``rule`` None decodes autoregressively (nothing drafted); ``num_draft_tokens`` is the
+    K this sequence asks for, or None to let the caller's policy choose.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        seed: int,
+        *,
+        rule: Rule | None,
+        num_draft_tokens: int | None,
+        eos_ids: frozenset[int],
+        tokenizer=None,
+        stop: Sequence[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        device: torch.device | str = "cpu",
+        row: int = 0,
+    ) -> None:
+        self.row = row
+        self.context = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.max_new = max_new_tokens
+        self.sampling = sampling
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.rule = rule
+        self.num_draft_tokens = num_draft_tokens
+        self.eos = eos_ids
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.on_text = on_text
+        self.stats = GenerationStats()
+        self.streamed = ""
+        self.done = False
+        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.started = time.perf_counter()
+
+    @property
+    def new_ids(self) -> list[int]:
+        return self.context[self.prompt_len :]
+
+    @property
+    def drafts(self) -> bool:
+        return self.rule is not None
+
+    def draft_budget(self, k: int) -> int:
+        """How many of ``k`` drafts could still be emitted: one token of the budget is the
+        verifier's own (drafts beyond it would be cut anyway)."""
+        if not self.drafts:
+            return 0
+        return max(0, min(k, self.max_new - len(self.new_ids) - 1))
+
+    def finish(self, interrupted: bool = False) -> GenerationResult:
+        """The result so far; the total time runs from construction."""
+        self.stats.time_total_s = time.perf_counter() - self.started
+        self.stats.new_tokens = len(self.new_ids)
+        return GenerationResult(
+            self.new_ids, self.text(), self.stats, interrupted, self.finish_reason
+        )
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens, honouring the budget, EOS and stop strings; stream new text.
+        Returns how many of ``tokens`` were kept."""
+        kept = 0
+        for token in tokens:
+            self.context.append(token)
+            kept += 1
+            if token in self.eos or len(self.new_ids) >= self.max_new:
+                self.done = True
+                self.finish_reason = "stop" if token in self.eos else "length"
+                break
+        if self.tokenizer is None or (not self.stop and self.on_text is None):
+            return kept  # nothing to look for in the text: skip decoding it on the hot path
+        full = self._decode()
+        cut = _first_stop(full, self.stop)
+        if cut is not None:
+            kept = self._cut_at_stop(kept)
+            self.done = True
+            self.finish_reason = "stop"
+        if self.on_text is not None:
+            self._stream(full[:cut])
+        return kept
+
+    def _cut_at_stop(self, kept: int) -> int:
+        """Drop the tokens after the one that completed a stop string; return how many of
+        this iteration's ``kept`` tokens remain."""
+        start = len(self.context) - kept
+        for count in range(1, kept):
+            text = self._decode(self.context[self.prompt_len : start + count])
+            if _first_stop(text, self.stop) is not None:
+                del self.context[start + count :]
+                return count
+        return kept
+
+    def _stream(self, text: str) -> None:
+        """Pass on the text not yet streamed, holding back what may still change: a
+        partial multi-byte character or the start of a stop string."""
+        if not self.done:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text) - _held_back(text, self.stop)]
+        if text.startswith(self.streamed) and len(text) > len(self.streamed):
+            self.on_text(text[len(self.streamed) :])
+            self.streamed = text
+
+    def _decode(self, ids: list[int] | None = None) -> str:
+        """The text of ``ids`` (default: every new token)."""
+        ids = self.new_ids if ids is None else ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text(self) -> str | None:
+        """The new text, cut before the first stop string; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._decode()
+        return text[: _first_stop(text, self.stop)]
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in text, or None."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could still become a stop string (not streamed yet)."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                longest = max(longest, n)
+                break
+    return longest

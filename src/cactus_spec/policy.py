@@ -1,0 +1,158 @@
+"""How far to draft, from measured costs, so that speculation is never slower than plain decoding.
+
+In an iteration over B rows, row b accepts each draft position with probability alpha_b
+(estimated from its own history, shrunk towards the pool's rate while it is short). Drafting
+K tokens for each row yields in expectation
+
+    E(K) = sum_b (1 - alpha_b^(K+1)) / (1 - alpha_b)        tokens (accepted drafts + one)
+
+and costs
+
+    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1))   seconds,
+
+where t_draft(b) is one draft step over b rows and t_verify(n) one verifier forward over n
+tokens in all, both read off ``CostTable``s that every iteration updates (an exponential
+moving average per size, seeded by a short calibration). The policy drafts the K in
+0..K_max that maximises E(K) / T(K). K = 0 is plain decoding (E = B, T = t_verify(B)), one of
+the candidates, so the policy never picks a K it predicts to be slower than plain decoding:
+at high concurrency, where a verifier forward over B (K + 1) tokens costs much more than
+over B, it drafts less or not at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+
+from cactus_spec.generation import Generation
+from cactus_spec.stepper import StepTiming
+
+#: Weight of a new measurement in a cost table's moving average.
+_EMA = 0.2
+#: Pseudo-positions of the pool's acceptance rate in a row's estimate.
+_PRIOR_POSITIONS = 4.0
+
+
+class CostTable:
+    """Seconds by size (rows or tokens), interpolated linearly between measured sizes and
+    extrapolated in proportion beyond the largest."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.seconds: list[float] = []
+
+    def observe(self, size: int, seconds: float) -> None:
+        """Fold one measurement of ``size`` into the table."""
+        at = bisect.bisect_left(self.sizes, size)
+        if at < len(self.sizes) and self.sizes[at] == size:
+            self.seconds[at] += _EMA * (seconds - self.seconds[at])
+        else:
+            self.sizes.insert(at, size)
+            self.seconds.insert(at, seconds)
+
+    def estimate(self, size: int) -> float:
+        """The cost of ``size``: 0 before any measurement."""
+        if not self.sizes:
+            return 0.0
+        at = bisect.bisect_left(self.sizes, size)
+        if at < len(self.sizes) and self.sizes[at] == size:
+            return self.seconds[at]
+        if at == 0:
+            return self.seconds[0]
+        if at == len(self.sizes):
+            return self.seconds[-1] * size / self.sizes[-1]
+        lo, hi = self.sizes[at - 1], self.sizes[at]
+        weight = (size - lo) / (hi - lo)
+        return self.seconds[at - 1] + weight * (self.seconds[at] - self.seconds[at - 1])
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one iteration emits in expectation with K drafts accepted i.i.d. at rate alpha:
+    1 + alpha + ... + alpha^K."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class SpeculationPolicy:
+    """Picks K per iteration for the generations that leave it to the policy (see the module
+    docstring); ``max_draft_tokens`` bounds it."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.draft = CostTable()  # one draft step, by rows
+        self.verify = CostTable()  # one verifier forward, by tokens
+        self.pool_accepted = 1.0
+        self.pool_reached = 2.0
+
+    def alpha(self, g: Generation) -> float:
+        """The row's acceptance rate per position, shrunk towards the pool's."""
+        reached = sum(g.stats.reached_by_position)
+        pool = self.pool_accepted / self.pool_reached
+        return (sum(g.stats.accepted_by_position) + _PRIOR_POSITIONS * pool) / (
+            reached + _PRIOR_POSITIONS
+        )
+
+    def choose(self, generations: Sequence[Generation]) -> list[int]:
+        """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
+        the K that maximises expected tokens per second over the whole batch."""
+        auto = [g for g in generations if g.drafts and g.num_draft_tokens is None]
+        fixed = [_fixed_k(g) for g in generations if g not in auto]
+        best = self._best_k(auto, fixed) if auto else 0
+        return [best if g in auto else _fixed_k(g) for g in generations]
+
+    def _best_k(self, auto: list[Generation], fixed: list[int]) -> int:
+        alphas = [self.alpha(g) for g in auto]
+        fixed_tokens = sum(k + 1 for k in fixed)
+        rows = len(auto) + len(fixed)
+
+        def rate(k: int) -> float:
+            tokens = sum(expected_tokens(a, k) for a in alphas)
+            cost = self.verify.estimate(fixed_tokens + len(auto) * (k + 1))
+            cost += k * self.draft.estimate(rows)
+            return tokens / cost if cost > 0 else float(k == 0)
+
+        return max(range(self.max_draft_tokens + 1), key=rate)
+
+    def observe(self, timing: StepTiming, generations: Sequence[Generation]) -> None:
+        """Fold one iteration's measured costs into the tables."""
+        if timing.draft_steps:
+            self.draft.observe(timing.rows, timing.draft_s / timing.draft_steps)
+        self.verify.observe(timing.verified_tokens, timing.verify_s)
+
+    def learn_acceptance(self, g: Generation) -> None:
+        """Fold a finished generation's acceptance into the pool's rate."""
+        self.pool_accepted += sum(g.stats.accepted_by_position)
+        self.pool_reached += sum(g.stats.reached_by_position)
+
+    def calibrate(
+        self,
+        verify_forward: Callable[[int], None],
+        draft_step: Callable[[int], None] | None,
+        max_rows: int,
+    ) -> None:
+        """Seed the tables: time ``verify_forward(n)`` for n = 1, 2, 4, ... up to
+        max_rows (K_max + 1) tokens and ``draft_step(b)`` for b = 1, 2, 4, ... max_rows rows."""
+        for size in _doubling(max_rows * (self.max_draft_tokens + 1)):
+            self.verify.observe(size, _timed(verify_forward, size))
+        if draft_step is not None:
+            for rows in _doubling(max_rows):
+                self.draft.observe(rows, _timed(draft_step, rows))
+
+
+def _fixed_k(g: Generation) -> int:
+    return (g.num_draft_tokens or 0) if g.drafts else 0
+
+
+def _doubling(limit: int) -> list[int]:
+    sizes, size = [], 1
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def _timed(work: Callable[[int], None], size: int) -> float:
+    work(size)  # warm up: the first call of a size pays one-off costs
+    start = time.perf_counter()
+    work(size)
+    return time.perf_counter() - start

@@ -1,0 +1,166 @@
+"""One iteration over a batch of generations: draft, verify in ONE forward, keep, roll back.
+
+For B generations in rows r_1..r_B, an iteration
+
+1. asks the drafter for K_b tokens per row (one draft forward per step over the rows still
+   drafting; K_b = 0 for an autoregressive row, or when the budget is spent);
+2. feeds each row ``[t_b, d_b1..d_bK_b]`` (t_b = its last emitted token, not yet in the
+   verifier's cache) in one verifier forward over all rows, ragged: K_b + 1 rows of q each;
+3. runs ``verify`` per row with that row's rule, sampling and generator, so a row keeps a
+   different number of tokens than its neighbours (ragged acceptance);
+4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
+
+Every random draw of a row comes from its own generator in the same order as when it is
+decoded alone, so a row decoded in a batch gives the tokens it gives alone (up to the
+rounding of batched matrix products, which moves a draw only when a uniform lands within
+rounding of a boundary).
+
+The divergence meter adds, per row, the exact KL(step_law || q) of every emitted drafted
+position (``audit``): an unbiased estimate of the sequence-level KL(P_method || P_verifier).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cactus_spec.audit import step_divergences
+from cactus_spec.backends.base import Backend
+from cactus_spec.drafters import Draft, Drafter, DraftRequest
+from cactus_spec.generation import Generation
+from cactus_spec.sampling import logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.verification import verify
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one iteration cost: the draft steps over ``rows`` rows, and one verifier forward
+    over ``verified_tokens`` tokens in all."""
+
+    rows: int
+    draft_steps: int
+    draft_s: float
+    verified_tokens: int
+    verify_s: float
+    emitted: int
+
+
+class Stepper:
+    """Advances generations that occupy rows of ``verifier`` (and of the drafter's model)."""
+
+    def __init__(self, verifier: Backend, drafter: Drafter | None, vocab_size: int) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self._sync = _needs_sync(verifier)
+
+    def prefill(self, generations: Sequence[Generation]) -> None:
+        """Empty the generations' rows and feed each its prompt but the last token (which the
+        first iteration feeds with the drafts). Counted as verifier time."""
+        for g in generations:
+            self.verifier.reset(g.row)
+            if self.drafter is not None:
+                self.drafter.reset(g.row)
+        todo = [g for g in generations if g.prompt_len > 1]
+        if not todo:
+            return
+        start = time.perf_counter()
+        self.verifier.append_ragged([g.context[:-1] for g in todo], [g.row for g in todo], True)
+        elapsed = self._elapsed(start)
+        for g in todo:
+            g.stats.time_verify_s += elapsed
+
+    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
+        """One iteration for every generation, drafting up to ``ks[i]`` tokens for the i-th."""
+        drafts, draft_steps, draft_s = self._propose(generations, ks)
+        feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
+        kept = [self.verifier.length_of(g.row) for g in generations]
+        start = time.perf_counter()
+        logits = self.verifier.append_ragged(feeds, [g.row for g in generations])  # [K_b+1, V]
+        verify_s = self._elapsed(start)
+        emitted = 0
+        for g, draft, row_logits, length in zip(generations, drafts, logits, kept, strict=True):
+            g.stats.time_verify_s += verify_s
+            q = logits_to_probs(row_logits[:, : self.vocab_size], g.sampling)  # [K+1, V]
+            tokens = [_sample(q, g)] if not draft.tokens else _verify(draft, q, g)
+            accepted = len(tokens) - 1
+            self.verifier.rollback(length + 1 + accepted, g.row)
+            count = g.emit(tokens)
+            emitted += count
+            g.stats.record(len(draft.tokens), accepted, count)
+            if draft.tokens and not g.sampling.greedy and not g.rule.lossless:
+                _meter(g, draft, q, min(count, len(draft.tokens)))
+        verified = sum(len(f) for f in feeds)
+        return StepTiming(len(generations), draft_steps, draft_s, verified, verify_s, emitted)
+
+    def _propose(self, generations, ks) -> tuple[list[Draft], int, float]:
+        """Each generation's draft (empty where it drafts nothing), the number of draft
+        steps, and their wall time (added to the draft time of every row that drafted)."""
+        budgets = [g.draft_budget(k) for g, k in zip(generations, ks, strict=True)]
+        asks = [
+            DraftRequest(g.row, g.context, k, g.sampling, g.generator)
+            for g, k in zip(generations, budgets, strict=True)
+            if k > 0
+        ]
+        if self.drafter is None or not asks:
+            return [Draft([], None) for _ in generations], 0, 0.0
+        start = time.perf_counter()
+        proposed = iter(self.drafter.propose(asks))
+        elapsed = self._elapsed(start)
+        drafts = []
+        for g, k in zip(generations, budgets, strict=True):
+            if k > 0:
+                g.stats.time_draft_s += elapsed
+            drafts.append(next(proposed) if k > 0 else Draft([], None))
+        return drafts, max(budgets), elapsed
+
+    def _elapsed(self, start: float) -> float:
+        if self._sync:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def _needs_sync(backend: Backend) -> bool:
+    """Whether the backend's work runs asynchronously (CUDA): timings then synchronise."""
+    model = getattr(backend, "model", None)
+    parameters = getattr(model, "parameters", None)
+    if parameters is None:
+        return False
+    first = next(iter(parameters()), None)
+    return first is not None and first.device.type == "cuda"
+
+
+def _sample(q: Tensor, g: Generation) -> int:
+    """The next token from the last row of q [T, V] with the generation's generator."""
+    if g.sampling.greedy:
+        return int(q[-1].argmax())
+    u = uniforms(1, 1, g.generator, q.device)[:, 0]
+    return int(sample_inverse_cdf(q[-1:], u))
+
+
+def _verify(draft: Draft, q: Tensor, g: Generation) -> list[int]:
+    """Run ``verify`` on the chain: the accepted drafts, then the token of its own."""
+    ids = torch.tensor([draft.tokens], dtype=torch.long, device=q.device)  # [1, K]
+    p = None if draft.probs is None else draft.probs.unsqueeze(0)  # [1, K, V]
+    out = verify(ids, q.unsqueeze(0), g.rule, p, g.generator, g.sampling.greedy, False)
+    accepted = int(out.num_accepted[0])
+    return out.tokens[0, : accepted + 1].tolist()
+
+
+def _meter(g: Generation, draft: Draft, q: Tensor, positions: int) -> None:
+    """Add KL(law || q) of the first ``positions`` drafted positions (those that emitted a
+    token) to the generation's divergence meter; q [K+1, V]."""
+    start = time.perf_counter()
+    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
+    p = draft.probs if draft.probs is not None else _one_hot(ids, q)  # [K, V]
+    divergence = step_divergences(p[:positions], q[:positions], g.rule)  # [positions]
+    g.stats.kl_nats += float(divergence.sum())
+    g.stats.time_audit_s += time.perf_counter() - start
+
+
+def _one_hot(token: Tensor, like: Tensor) -> Tensor:
+    return torch.nn.functional.one_hot(token, like.shape[-1]).to(like.dtype)

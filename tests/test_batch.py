@@ -1,0 +1,140 @@
+"""Batched decoding: rows with their own prompts, seeds, sampling, rules and K, verified in one
+forward with ragged acceptance, give each row exactly the tokens it gives alone."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_lm
+from test_engine import noisy_copy
+
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.policy import CostTable, SpeculationPolicy, expected_tokens
+from cactus_spec.rules import TAS, Cactus, SpS
+from cactus_spec.sampling import SamplingConfig
+
+#: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
+ROWS = [
+    ([5, 17, 3, 99, 42, 7, 17, 3], 1, SamplingConfig(0.6, 20, 0.95), SpS(), 4),
+    ([8, 9], 2, SamplingConfig(1.0, 0, 1.0), Cactus(1.0), 6),
+    ([3] * 20 + [4, 5], 3, SamplingConfig(0.0, 20, 0.95), SpS(), 3),
+    ([11, 12, 13, 14], 4, SamplingConfig(0.8, 10, 0.9), None, 0),
+    ([60, 61, 62, 63, 64, 65], 5, SamplingConfig(0.7, 0, 0.8), TAS(), 5),
+]
+LENGTHS = [30, 17, 25, 12, 40]
+
+
+def decoder(batch: int) -> SpeculativeDecoder:
+    target = make_tiny_lm(seed=0)
+    return SpeculativeDecoder(target, noisy_copy(target, 0.4, seed=1), max_batch=batch)
+
+
+def alone(row: int) -> list[int]:
+    prompt, seed, sampling, rule, k = ROWS[row]
+    d = decoder(1)
+    g = d.new_generation(prompt, LENGTHS[row], sampling, seed, rule=rule, num_draft_tokens=k)
+    d.stepper.prefill([g])
+    while not g.done:
+        d.stepper.step([g], [k])
+    return g.new_ids
+
+
+def together(d: SpeculativeDecoder, shared_generator: bool = False) -> list[list[int]]:
+    """Every row of ROWS decoded in one batch; rows that finish leave it."""
+    generations = [
+        d.new_generation(prompt, n, sampling, seed, rule=rule, num_draft_tokens=k, row=row)
+        for row, ((prompt, seed, sampling, rule, k), n) in enumerate(zip(ROWS, LENGTHS))
+    ]
+    if shared_generator:
+        for g in generations:
+            g.generator = generations[0].generator
+    d.stepper.prefill(generations)
+    while active := [g for g in generations if not g.done]:
+        d.stepper.step(active, [g.num_draft_tokens for g in active])
+    return [g.new_ids for g in generations]
+
+
+def test_a_row_in_a_batch_gives_the_tokens_it_gives_alone() -> None:
+    d = decoder(len(ROWS))
+    batched = together(d)
+    assert [len(ids) for ids in batched] == LENGTHS
+    for row in range(len(ROWS)):
+        assert batched[row] == alone(row), row
+    accepted = [d.stepper.verifier.length_of(row) for row in range(len(ROWS))]
+    assert all(n > 0 for n in accepted)
+
+
+def test_negative_control_rows_sharing_one_generator_differ_from_alone() -> None:
+    batched = together(decoder(len(ROWS)), shared_generator=True)
+    assert any(batched[row] != alone(row) for row in range(len(ROWS)))
+
+
+def test_a_row_joins_a_batch_midway_and_still_gives_its_own_tokens() -> None:
+    d = decoder(2)
+    prompt, seed, sampling, rule, k = ROWS[0]
+    first = d.new_generation(prompt, LENGTHS[0], sampling, seed, rule=rule, num_draft_tokens=k)
+    d.stepper.prefill([first])
+    for _ in range(3):
+        d.stepper.step([first], [k])
+    prompt1, seed1, sampling1, rule1, k1 = ROWS[1]
+    second = d.new_generation(
+        prompt1, LENGTHS[1], sampling1, seed1, rule=rule1, num_draft_tokens=k1, row=1
+    )
+    d.stepper.prefill([second])
+    while active := [g for g in (first, second) if not g.done]:
+        d.stepper.step(active, [g.num_draft_tokens for g in active])
+    assert first.new_ids == alone(0)
+    assert second.new_ids == alone(1)
+
+
+def test_the_transformers_backend_refuses_a_batch() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="a batch of 4 rows needs the lean backend"):
+        SpeculativeDecoder(gpt2, None, max_batch=4)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        SpeculativeDecoder(gpt2, None, max_batch=0)
+
+
+def test_cost_table_interpolates_and_extrapolates() -> None:
+    table = CostTable()
+    assert table.estimate(5) == 0.0
+    table.observe(1, 0.010)
+    table.observe(9, 0.050)
+    assert table.estimate(5) == pytest.approx(0.030)
+    assert table.estimate(18) == pytest.approx(0.100)
+    assert table.estimate(1) == 0.010
+    table.observe(1, 0.020)  # a moving average, not a replacement
+    assert 0.010 < table.estimate(1) < 0.020
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 7) == 1
+
+
+def policy_with(draft_step: float, verify: dict[int, float]) -> SpeculationPolicy:
+    policy = SpeculationPolicy(max_draft_tokens=8)
+    policy.draft.observe(1, draft_step)
+    policy.draft.observe(16, draft_step)
+    for size, seconds in verify.items():
+        policy.verify.observe(size, seconds)
+    policy.pool_accepted, policy.pool_reached = 80.0, 100.0  # acceptance 0.8
+    return policy
+
+
+def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_dear() -> None:
+    d = decoder(1)
+    g = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, num_draft_tokens=None)
+    # memory-bound verifier: 9 tokens cost what 1 does; a cheap draft step
+    cheap = policy_with(0.002, {1: 0.050, 9: 0.052, 16: 0.060, 144: 0.9})
+    assert cheap.choose([g]) == [8]
+    # compute-bound verifier (cost proportional to tokens): drafting cannot pay
+    dear = policy_with(0.010, {1: 0.050, 9: 0.450, 144: 7.2})
+    assert dear.choose([g]) == [0]
+    # rows that fixed K keep it, autoregressive rows draft nothing
+    fixed = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, num_draft_tokens=3)
+    ar = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, rule=None)
+    k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g])
+    assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
