@@ -1,4 +1,4 @@
-"""The `cactus-spec` command line: generate, demo, bench, models fetch.
+"""The `cactus-spec` command line: generate, demo, bench, serve, models fetch.
 
 Every argument that can be checked without a model is checked before any model loads, and
 bad input ends with one line, ``error: ...``, and exit status 2. The method flags come from
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -107,6 +108,41 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server with batched speculative decoding",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics. Requests are decoded together (continuous batching); a request picks its "
+        'method with "speculative": {"method": ..., "num_draft_tokens": ...}, else the '
+        "server's --method is used and the policy picks K.",
+    )
+    _add_method_args(p)
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help="K (with --policy auto: the largest K the policy may pick)",
+    )
+    p.add_argument("--policy", choices=["auto", "fixed"], default="auto", help="how K is chosen")
+    p.add_argument("--drafter", choices=["model", "ngram"], default=None)
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded at once")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before HTTP 429")
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
+    )
+    p.add_argument("--served-model-name", help="model id in the API (default: --target)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("CACTUS_SPEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $CACTUS_SPEC_API_KEY)",
+    )
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="verifier: known name, hub id, model dir or .gguf")
     p.add_argument("--draft", help="draft model: known name, hub id, model dir or .gguf")
@@ -137,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     _add_bench(sub)
+    _add_serve(sub)
     models = sub.add_parser("models", help="manage models")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="install, verify and convert known models")
@@ -305,9 +342,51 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from cactus_spec.engine import SpeculativeDecoder
+    from cactus_spec.server.app import ServerConfig, create_app
+    from cactus_spec.server.run import start_scheduler
+
+    rule = build_rule(args.method, {name: getattr(args, name) for name in _method_flags()})
+    for flag in ("num_draft_tokens", "max_batch", "max_queue", "default_max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    _check_model_args(args)
+    drafter = args.drafter or "model"
+    target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
+    stderr.print(f"loading {target} (verifier){f', {draft} (draft)' if draft else ''} …")
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        rule,
+        args.num_draft_tokens,
+        drafter if rule is not None else "model",
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        backend=args.backend,
+        draft_quant=args.draft_quant,
+        verifier_quant=args.verifier_quant,
+        max_batch=args.max_batch,
+    )
+    scheduler = start_scheduler(decoder, args.policy, args.max_queue)
+    config = ServerConfig(args.served_model_name or target, args.api_key, args.default_max_tokens)
+    try:
+        uvicorn.run(create_app(scheduler, config), host=args.host, port=args.port)
+    finally:
+        scheduler.stop()
+    return 0
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "bench":

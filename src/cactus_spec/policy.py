@@ -25,6 +25,8 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 
+from cactus_spec.backends.base import Backend
+from cactus_spec.drafters import Drafter
 from cactus_spec.generation import Generation
 from cactus_spec.stepper import StepTiming
 
@@ -156,3 +158,32 @@ def _timed(work: Callable[[int], None], size: int) -> float:
     start = time.perf_counter()
     work(size)
     return time.perf_counter() - start
+
+
+def calibrated_policy(
+    verifier: Backend, drafter: Drafter | None, max_draft_tokens: int
+) -> SpeculationPolicy:
+    """A policy whose cost tables are seeded by timing ``verifier`` (forwards of 1 to
+    rows x (K_max + 1) tokens, spread over up to ``slots`` rows) and, for a model drafter,
+    one draft step over 1 to ``slots`` rows. Uses row 0.. of empty caches; leaves them empty."""
+    policy = SpeculationPolicy(max_draft_tokens)
+    slots = verifier.slots
+    draft_backend = getattr(drafter, "backend", None)
+
+    def verify_forward(tokens: int) -> None:
+        _forward_spread(verifier, tokens, slots)
+
+    def draft_step(rows: int) -> None:
+        _forward_spread(draft_backend, rows, rows)
+
+    policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
+    return policy
+
+
+def _forward_spread(backend: Backend, tokens: int, rows: int) -> None:
+    """One forward of ``tokens`` tokens spread evenly over ``rows`` rows, then empty them."""
+    rows = min(rows, tokens, backend.slots)
+    share = -(-tokens // rows)
+    backend.append_ragged([[0] * share for _ in range(rows)], list(range(rows)))
+    for row in range(rows):
+        backend.reset(row)

@@ -1,0 +1,216 @@
+"""Continuous batching: requests join and leave between iterations of one decode loop.
+
+One thread owns the models. Each turn of its loop it admits waiting requests into free rows
+(prefilling their prompts), drops cancelled ones, asks the policy for K, runs one stepper
+iteration over every active row, and hands finished generations back. A bounded queue gives
+backpressure: ``submit`` raises ``QueueFullError`` when it is full.
+
+Callbacks (``on_text``, ``on_done``) run on the scheduler's thread: they must be quick and
+must not block (the server hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.generation import Generation, GenerationResult
+from cactus_spec.policy import SpeculationPolicy
+from cactus_spec.rules import Rule
+from cactus_spec.sampling import SamplingConfig
+
+#: Window of the tokens-per-second gauge.
+_RATE_WINDOW_S = 10.0
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests already."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation to run. ``rule`` None is autoregressive decoding; ``num_draft_tokens``
+    None leaves K to the policy (or the decoder's K without one)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    rule: Rule | None
+    num_draft_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    on_text: Callable[[str], None] | None = None
+    on_done: Callable[[GenerationResult], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class Counters:
+    """Totals since start, for ``/metrics``."""
+
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_rejected: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0
+    kl_nats: float = 0.0
+    recent: deque = field(default_factory=deque)  # (time, tokens) per iteration
+
+    def tokens_per_s(self) -> float:
+        """Tokens emitted per second over the last ``_RATE_WINDOW_S`` seconds."""
+        now = time.monotonic()
+        while self.recent and self.recent[0][0] < now - _RATE_WINDOW_S:
+            self.recent.popleft()
+        return sum(n for _, n in self.recent) / _RATE_WINDOW_S
+
+
+class Scheduler:
+    """Runs requests on ``decoder``'s rows (``decoder.max_batch`` at a time)."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        max_queue: int = 64,
+        policy: SpeculationPolicy | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.max_queue = max_queue
+        self.policy = policy
+        self.counters = Counters()
+        self._free = list(range(decoder.max_batch))
+        self._waiting: deque[Request] = deque()
+        self._active: list[tuple[Request, Generation]] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="cactus-spec-decode", daemon=True)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the current iteration, then stop; waiting requests are dropped."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; QueueFullError when ``max_queue`` requests wait already."""
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                self.counters.requests_rejected += 1
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Stop ``request`` at the next iteration and free its row (a client went away)."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                admitted = self._admit()
+            try:
+                self._turn(admitted)
+            except Exception as err:  # a failed forward fails the rows in it, not the server
+                self._fail_all(err)
+
+    def _admit(self) -> list[tuple[Request, Generation]]:
+        """Move waiting requests into free rows (under the lock)."""
+        admitted = []
+        while self._waiting and self._free:
+            request = self._waiting.popleft()
+            if request.cancelled:
+                self.counters.requests_cancelled += 1
+                continue
+            admitted.append((request, self._generation(request, self._free.pop())))
+        return admitted
+
+    def _generation(self, request: Request, row: int) -> Generation:
+        return self.decoder.new_generation(
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.sampling,
+            request.seed,
+            rule=request.rule,
+            num_draft_tokens=request.num_draft_tokens,
+            stop=request.stop,
+            on_text=request.on_text,
+            row=row,
+        )
+
+    def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
+        """Prefill what joined, drop what was cancelled, run one iteration, finish what ended."""
+        stepper = self.decoder.stepper
+        if admitted:
+            self._active += admitted
+            stepper.prefill([g for _, g in admitted])
+        for request, g in [pair for pair in self._active if pair[0].cancelled]:
+            self._release(request, g)
+            self.counters.requests_cancelled += 1
+        if not self._active:
+            return
+        generations = [g for _, g in self._active]
+        ks = self._draft_lengths(generations)
+        timing = stepper.step(generations, ks)
+        if self.policy is not None:
+            self.policy.observe(timing, generations)
+        self.counters.iterations += 1
+        self.counters.recent.append((time.monotonic(), timing.emitted))
+        for request, g in [pair for pair in self._active if pair[1].done]:
+            self._finish(request, g)
+
+    def _draft_lengths(self, generations: list[Generation]) -> list[int]:
+        if self.policy is not None:
+            return self.policy.choose(generations)
+        default = self.decoder.num_draft_tokens
+        return [g.num_draft_tokens or default for g in generations]
+
+    def _finish(self, request: Request, g: Generation) -> None:
+        self._release(request, g)
+        result = g.finish()
+        stats = result.stats
+        c = self.counters
+        c.requests_finished += 1
+        c.tokens += stats.new_tokens
+        c.drafted += stats.drafted
+        c.accepted += stats.accepted
+        c.kl_nats += stats.kl_nats
+        if self.policy is not None:
+            self.policy.learn_acceptance(g)
+        if request.on_done is not None:
+            request.on_done(result)
+
+    def _release(self, request: Request, g: Generation) -> None:
+        self._active = [pair for pair in self._active if pair[0] is not request]
+        with self._wake:
+            self._free.append(g.row)
+
+    def _fail_all(self, err: Exception) -> None:
+        """Report ``err`` to every active request and free their rows."""
+        for request, g in list(self._active):
+            self._release(request, g)
+            if request.on_error is not None:
+                request.on_error(err)

@@ -1,0 +1,1 @@
+"""``cactus-spec serve``: an OpenAI-compatible HTTP server over the batched scheduler."""

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP server: routes, streaming, metrics and the API key.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (through the tokenizer's chat
+template), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+Requests go to the ``Scheduler``, which decodes them in batches on its own thread; its
+callbacks are handed to the event loop, so a route only ever awaits a queue. A client that
+disconnects is cancelled, and its row is freed at the next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from cactus_spec.generation import GenerationResult
+from cactus_spec.sampling import SamplingConfig
+from cactus_spec.scheduler import QueueFullError, Scheduler
+from cactus_spec.scheduler import Request as Job
+from cactus_spec.server.metrics import prometheus_text
+from cactus_spec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse,
+    speculative_choice,
+)
+
+#: max_tokens when a request gives none.
+DEFAULT_MAX_TOKENS = 256
+#: How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    api_key: str | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
+    """The FastAPI app over a started ``scheduler``."""
+    app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
+    handler = _Handler(scheduler, config)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable):
+        if config.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": config.model_id, "object": "model", "created": 0, "owned_by": "cactus-spec"}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await _json(request))
+        return await handler.run(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(ChatCompletionRequest, await _json(request))
+        return await handler.run(request, body, chat=True)
+
+    return app
+
+
+async def _json(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON ({err})") from None
+
+
+class _Handler:
+    """Turns a checked request body into a scheduler job and its answer."""
+
+    def __init__(self, scheduler: Scheduler, config: ServerConfig) -> None:
+        self.scheduler = scheduler
+        self.decoder = scheduler.decoder
+        self.config = config
+
+    def job(self, body: SamplingFields, chat: bool) -> Job:
+        """The scheduler job of ``body``: every field checked, 400 naming the bad one."""
+        if body.model != self.config.model_id:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves "
+                f"{self.config.model_id!r}",
+                "model",
+                "model_not_found",
+            )
+        defaults = SamplingConfig()
+        try:
+            sampling = SamplingConfig(
+                defaults.temperature if body.temperature is None else body.temperature,
+                defaults.top_k if body.top_k is None else body.top_k,
+                defaults.top_p if body.top_p is None else body.top_p,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        rule, k = speculative_choice(body.speculative, self.decoder.rule)
+        max_tokens = self._max_tokens(body, chat)
+        prompt_ids = self._prompt_ids(body, chat)
+        try:
+            self.decoder.check_context(len(prompt_ids), max_tokens)
+        except ValueError as err:
+            raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return Job(prompt_ids, max_tokens, sampling, seed, rule, k, body.stops())
+
+    def _max_tokens(self, body: SamplingFields, chat: bool) -> int:
+        given = body.max_completion_tokens if chat else None
+        return given or body.max_tokens or self.config.default_max_tokens
+
+    def _prompt_ids(self, body: SamplingFields, chat: bool) -> list[int]:
+        try:
+            if chat:
+                messages = [m.as_template_message() for m in body.messages]
+                return self.decoder.encode_chat(messages)
+            return self.decoder.encode(body.prompt_value(), chat=False)
+        except ValueError as err:
+            param = "messages" if chat else "prompt"
+            raise APIError(400, f"{param}: {err}", param) from None
+
+    async def run(self, request: Request, body: SamplingFields, chat: bool):
+        job = self.job(body, chat)
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def send(kind: str) -> Callable:
+            return lambda value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+        job.on_text, job.on_done, job.on_error = send("text"), send("done"), send("error")
+        if not body.stream:
+            job.on_text = None
+        try:
+            self.scheduler.submit(job)
+        except QueueFullError as err:
+            raise APIError(429, f"{err}; retry later", code="queue_full") from None
+        answer = _Answer(self.config.model_id, chat, len(job.prompt_ids))
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(job, events, answer, usage), media_type="text/event-stream"
+            )
+        return await self._whole(request, job, events, answer)
+
+    async def _whole(self, request: Request, job: Job, events: asyncio.Queue, answer):
+        """Wait for the result, cancelling the job if the client goes away."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.scheduler.cancel(job)
+                    return JSONResponse({}, status_code=499)
+                continue
+            if kind == "error":
+                raise APIError(500, f"decoding failed: {value}")
+            if kind == "done":
+                return answer.whole(value)
+
+    async def _stream(
+        self, job: Job, events: asyncio.Queue, answer, usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per piece of text, the finish, usage, [DONE]."""
+        finished = False
+        try:
+            if answer.chat:
+                yield _sse(answer.chunk({"role": "assistant", "content": ""}, None))
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    yield _sse(answer.chunk(value, None))
+                elif kind == "error":
+                    yield _sse(APIError(500, f"decoding failed: {value}").body())
+                    break
+                else:
+                    yield _sse(answer.chunk("", value.finish_reason or "stop"))
+                    if usage:
+                        yield _sse(
+                            {
+                                **answer.envelope(stream=True),
+                                "choices": [],
+                                "usage": answer.usage(value),
+                            }
+                        )
+                    break
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Answer:
+    """The response objects of one request, in OpenAI's shapes."""
+
+    def __init__(self, model_id: str, chat: bool, prompt_tokens: int) -> None:
+        self.chat = chat
+        self.model_id = model_id
+        self.prompt_tokens = prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def envelope(self, stream: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if stream and self.chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
+
+    def chunk(self, piece: str | dict, finish_reason: str | None) -> dict:
+        if self.chat:
+            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        return {**self.envelope(stream=True), "choices": [choice]}
+
+    def whole(self, result: GenerationResult) -> dict:
+        reason = result.finish_reason or "stop"
+        if self.chat:
+            message = {"role": "assistant", "content": result.text}
+            choice = {"index": 0, "message": message, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        return {**self.envelope(stream=False), "choices": [choice], "usage": self.usage(result)}
+
+    def usage(self, result: GenerationResult) -> dict:
+        s = result.stats
+        completion = len(result.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "speculative": {
+                "iterations": s.iterations,
+                "drafted_tokens": s.drafted,
+                "accepted_tokens": s.accepted,
+                "mean_accepted_length": s.mean_accepted,
+                "kl_nats": s.kl_nats,
+            },
+        }

@@ -1,0 +1,39 @@
+"""``GET /metrics``: the scheduler's counters and gauges in Prometheus' text format."""
+
+from __future__ import annotations
+
+from cactus_spec.scheduler import Scheduler
+
+_PREFIX = "cactus_spec"
+
+
+def prometheus_text(scheduler: Scheduler) -> str:
+    """Requests, tokens, acceptance, divergence, throughput, queue length and batch size."""
+    c = scheduler.counters
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: dict[str, float]) -> None:
+        lines.append(f"# HELP {_PREFIX}_{name} {help_text}")
+        lines.append(f"# TYPE {_PREFIX}_{name} {kind}")
+        for labels, value in samples.items():
+            lines.append(f"{_PREFIX}_{name}{labels} {value:g}")
+
+    outcomes = {
+        '{outcome="finished"}': c.requests_finished,
+        '{outcome="cancelled"}': c.requests_cancelled,
+        '{outcome="rejected"}': c.requests_rejected,
+    }
+    metric("requests_total", "counter", "Requests by outcome.", outcomes)
+    metric("generated_tokens_total", "counter", "Tokens generated.", {"": c.tokens})
+    metric("drafted_tokens_total", "counter", "Draft tokens proposed.", {"": c.drafted})
+    metric("accepted_tokens_total", "counter", "Draft tokens accepted.", {"": c.accepted})
+    rate = c.accepted / c.drafted if c.drafted else 0.0
+    metric("acceptance_ratio", "gauge", "Accepted / drafted since start.", {"": rate})
+    kl = c.kl_nats / c.tokens if c.tokens else 0.0
+    metric("kl_nats_total", "counter", "Divergence meter, nats (sum).", {"": c.kl_nats})
+    metric("kl_nats_per_token", "gauge", "Divergence meter per generated token.", {"": kl})
+    metric("iterations_total", "counter", "Decode iterations.", {"": c.iterations})
+    metric("tokens_per_second", "gauge", "Tokens per second, last 10 s.", {"": c.tokens_per_s()})
+    metric("queue_length", "gauge", "Requests waiting for a row.", {"": scheduler.queue_length})
+    metric("batch_size", "gauge", "Rows decoding now.", {"": scheduler.batch_size})
+    return "\n".join(lines) + "\n"

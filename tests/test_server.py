@@ -1,0 +1,310 @@
+"""The OpenAI-compatible server on SmolLM2-135M, driven by the official ``openai`` client over
+loopback: answers equal offline ``generate`` token for token, streamed equals whole, bad
+requests get their status and a message naming the field, backpressure, disconnects."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.models import LoadedModel, load_model
+from cactus_spec.rules import Cactus, SpS
+from cactus_spec.server.app import ServerConfig, create_app
+from cactus_spec.server.run import BackgroundServer, start_scheduler
+
+pytestmark = pytest.mark.slow
+
+MODEL_ID = "smollm2-135m"
+K = 3
+PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The capital of Italy is",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LoadedModel:
+    from cactus_spec.fetch import fetch
+
+    return load_model(fetch("smollm2-135m"), dtype="float32")
+
+
+def decoder_for(smollm: LoadedModel, drafter: str, batch: int) -> SpeculativeDecoder:
+    draft = smollm if drafter == "model" else None
+    return SpeculativeDecoder(smollm, draft, Cactus(1.0), K, drafter, max_batch=batch)
+
+
+class Served:
+    """A live server and what it runs on."""
+
+    def __init__(self, smollm, drafter="model", batch=4, queue=32, api_key=None, policy="auto"):
+        self.decoder = decoder_for(smollm, drafter, batch)
+        self.scheduler = start_scheduler(self.decoder, policy, queue)
+        app = create_app(self.scheduler, ServerConfig(MODEL_ID, api_key, 32))
+        self.background = BackgroundServer(app)
+        self.url = self.background.__enter__()
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none")
+
+    def close(self) -> None:
+        self.background.__exit__()
+        self.scheduler.stop()
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics") as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if line.startswith(f"cactus_spec_{name} "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+@pytest.fixture(scope="module", params=["model", "ngram"])
+def served(request, smollm):
+    server = Served(smollm, request.param)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def offline(smollm):
+    """Offline generate with each drafter: the reference every answer must equal."""
+    return {drafter: decoder_for(smollm, drafter, 1) for drafter in ("model", "ngram")}
+
+
+def drafter_of(served: Served) -> str:
+    return "model" if served.decoder.drafter.__class__.__name__ == "ModelDrafter" else "ngram"
+
+
+SPECULATIVE = {"method": "cactus", "delta": 1.0, "num_draft_tokens": K}
+
+
+def complete(served: Served, prompt: str, seed: int, max_tokens: int = 24, **extra):
+    return served.client.completions.create(
+        model=MODEL_ID,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        top_p=0.95,
+        seed=seed,
+        extra_body={"top_k": 20, "speculative": SPECULATIVE},
+        **extra,
+    )
+
+
+def offline_text(
+    offline, served: Served, prompt: str, seed: int, chat: bool = False, max_tokens: int = 24
+) -> str:
+    decoder = offline[drafter_of(served)]
+    return decoder.generate(prompt, max_tokens, 0.8, 20, 0.95, seed, chat=chat).text
+
+
+def test_completion_equals_offline_generate(served: Served, offline) -> None:
+    answer = complete(served, PROMPTS[0], seed=7)
+    assert answer.choices[0].text == offline_text(offline, served, PROMPTS[0], 7)
+    usage = answer.usage
+    assert usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    extra = usage.model_extra["speculative"]
+    assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= 0
+    assert extra["iterations"] > 0 and extra["kl_nats"] >= -1e-5  # exact KL, up to rounding
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_text_equals_the_whole_answer(served: Served) -> None:
+    whole = complete(served, PROMPTS[1], seed=3).choices[0].text
+    chunks = list(
+        complete(served, PROMPTS[1], seed=3, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_chat_streamed_and_whole_equal_offline(served: Served, offline) -> None:
+    question = "Name a fruit that is yellow."
+    args = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 24,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": 11,
+        "extra_body": {"top_k": 20, "speculative": SPECULATIVE},
+    }
+    whole = served.client.chat.completions.create(**args).choices[0].message.content
+    streamed = served.client.chat.completions.create(**args, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert whole == text == offline_text(offline, served, question, 11, chat=True)
+
+
+def test_sixteen_concurrent_clients_each_equal_offline(served: Served, offline) -> None:
+    jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: complete(served, *job, max_tokens=12), jobs))
+    for (prompt, seed), answer in zip(jobs, answers, strict=True):
+        expected = offline_text(offline, served, prompt, seed, max_tokens=12)
+        assert answer.choices[0].text == expected, seed
+    assert served.metric("batch_size") == 0 and served.metric("queue_length") == 0
+
+
+def test_models_and_health(served: Served) -> None:
+    assert [m.id for m in served.client.models.list().data] == [MODEL_ID]
+    with urllib.request.urlopen(f"{served.url}/health") as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+
+
+def raw_post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def one(smollm):
+    server = Served(smollm, "model")
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"temperature": 3.0}, "temperature", "less than or equal to 2"),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"max_tokens": 9000}, "max_tokens", "context overflow"),
+        ({"n": 2}, "n", "less than or equal to 1"),
+        ({"speculative": {"method": "sps", "delta": 1.0}}, "speculative", "delta does not apply"),
+        ({"speculative": {"method": "cactus", "delta": -1}}, "speculative", "delta"),
+        ({"speculative": {"method": "nope"}}, "speculative", "method must be one of"),
+        ({"speculative": {"num_draft_tokens": 0}}, "speculative.num_draft_tokens", "[1, 32]"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+    ],
+)
+def test_a_bad_parameter_gets_400_naming_it(one: Served, change, param, words) -> None:
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, **change}
+    status, answer = raw_post(f"{one.url}/v1/completions", json.dumps(body).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+    assert words in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_json_unknown_model_and_a_missing_field(one: Served) -> None:
+    status, answer = raw_post(f"{one.url}/v1/completions", b'{"model": "smollm2-135m", ')
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    status, answer = raw_post(f"{one.url}/v1/completions", b'{"model": "smollm2-135m"}')
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        one.client.completions.create(model="gpt-9", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        one.client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], temperature=-1
+        )
+    assert complete(one, PROMPTS[3], seed=1).choices[0].text  # still serving
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(one: Served) -> None:
+    cancelled = one.metric('requests_total{outcome="cancelled"}'.replace(" ", ""))
+    stream = one.client.completions.create(
+        model=MODEL_ID,
+        prompt=PROMPTS[2],
+        max_tokens=2000,
+        stream=True,
+        extra_body={"speculative": SPECULATIVE},
+    )
+    for _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 30
+    while (
+        one.metric("batch_size") > 0
+        or one.metric('requests_total{outcome="cancelled"}') == cancelled
+    ):
+        assert time.monotonic() < deadline, "the row was never freed"
+        time.sleep(0.05)
+    assert complete(one, PROMPTS[3], seed=2).choices[0].text  # still serving
+
+
+def test_a_full_queue_answers_429(smollm) -> None:
+    server = Served(smollm, "model", batch=1, queue=1, policy="fixed")
+    try:
+        running = server.client.completions.create(
+            model=MODEL_ID, prompt=PROMPTS[0], max_tokens=2000, stream=True
+        )
+        next(iter(running))  # the first request holds the only row
+        waiting = threading.Thread(target=complete, args=(server, PROMPTS[1], 1))
+        waiting.start()
+        while server.metric("queue_length") < 1:
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            server.client.with_options(max_retries=0).completions.create(
+                model=MODEL_ID, prompt="Hi", max_tokens=2
+            )
+        running.close()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+    finally:
+        server.close()
+
+
+def test_the_api_key_guards_every_route_but_health(smollm) -> None:
+    server = Served(smollm, "ngram", api_key="sesame")
+    try:
+        assert complete(server, PROMPTS[3], seed=5).choices[0].text
+        stranger = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{server.url}/metrics")
+        with urllib.request.urlopen(f"{server.url}/health") as response:
+            assert response.status == 200
+    finally:
+        server.close()
+
+
+def test_sps_and_ar_requests_share_a_batch_with_cactus(one: Served, offline, smollm) -> None:
+    """Per-request methods: each row keeps its own rule in the shared batch."""
+    methods = [
+        {"method": "sps", "num_draft_tokens": 2},
+        {"method": "ar"},
+        {"method": "cactus", "delta": 0.5, "num_draft_tokens": 4},
+    ]
+
+    def ask(spec):
+        return (
+            one.client.completions.create(
+                model=MODEL_ID,
+                prompt=PROMPTS[0],
+                max_tokens=24,
+                temperature=0.8,
+                top_p=0.95,
+                seed=21,
+                extra_body={"top_k": 20, "speculative": spec},
+            )
+            .choices[0]
+            .text
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(ask, methods))
+    rules = [(SpS(), 2), (None, 1), (Cactus(0.5), 4)]
+    for text, (rule, k) in zip(texts, rules, strict=True):
+        decoder = SpeculativeDecoder(smollm, smollm if rule else None, rule, k)
+        assert text == decoder.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 21, chat=False).text
