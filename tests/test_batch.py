@@ -42,7 +42,9 @@ def together(d: SpeculativeDecoder, shared_generator: bool = False) -> list[list
     """Every row of ROWS decoded in one batch; rows that finish leave it."""
     generations = [
         d.new_generation(prompt, n, sampling, seed, rule=rule, num_draft_tokens=k, row=row)
-        for row, ((prompt, seed, sampling, rule, k), n) in enumerate(zip(ROWS, LENGTHS))
+        for row, ((prompt, seed, sampling, rule, k), n) in enumerate(
+            zip(ROWS, LENGTHS, strict=True)
+        )
     ]
     if shared_generator:
         for g in generations:

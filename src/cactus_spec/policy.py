@@ -32,6 +32,8 @@ from cactus_spec.stepper import StepTiming
 
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
+#: A draft step this many times dearer than its estimate is a catch-up, not a step.
+_CATCH_UP_FACTOR = 3.0
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
 
@@ -115,11 +117,15 @@ class SpeculationPolicy:
 
         return max(range(self.max_draft_tokens + 1), key=rate)
 
-    def observe(self, timing: StepTiming, generations: Sequence[Generation]) -> None:
-        """Fold one iteration's measured costs into the tables."""
-        if timing.draft_steps:
-            self.draft.observe(timing.rows, timing.draft_s / timing.draft_steps)
+    def observe(self, timing: StepTiming) -> None:
+        """Fold one iteration's measured costs into the tables. A draft step that cost more
+        than ``_CATCH_UP_FACTOR`` times its estimate is left out: its time holds the
+        drafter's catch-up on tokens it skipped while K was 0, not the cost of a step."""
         self.verify.observe(timing.verified_tokens, timing.verify_s)
+        if timing.draft_steps:
+            per_step = timing.draft_s / timing.draft_steps
+            if per_step <= _CATCH_UP_FACTOR * self.draft.estimate(timing.rows):
+                self.draft.observe(timing.rows, per_step)
 
     def learn_acceptance(self, g: Generation) -> None:
         """Fold a finished generation's acceptance into the pool's rate."""
@@ -128,17 +134,21 @@ class SpeculationPolicy:
 
     def calibrate(
         self,
-        verify_forward: Callable[[int], None],
-        draft_step: Callable[[int], None] | None,
+        verify_forward: Callable[[int], float],
+        draft_step: Callable[[int], float] | None,
         max_rows: int,
     ) -> None:
-        """Seed the tables: time ``verify_forward(n)`` for n = 1, 2, 4, ... up to
-        max_rows (K_max + 1) tokens and ``draft_step(b)`` for b = 1, 2, 4, ... max_rows rows."""
+        """Seed the tables with ``verify_forward(n)``, the seconds of a verifier forward of n
+        tokens, for n = 1, 2, 4, ... up to max_rows (K_max + 1), and ``draft_step(b)``, the
+        seconds of one draft step over b rows, for b = 1, 2, 4, ... max_rows. Each size is
+        run twice and the second timing kept (the first pays one-off costs)."""
         for size in _doubling(max_rows * (self.max_draft_tokens + 1)):
-            self.verify.observe(size, _timed(verify_forward, size))
+            verify_forward(size)
+            self.verify.observe(size, verify_forward(size))
         if draft_step is not None:
             for rows in _doubling(max_rows):
-                self.draft.observe(rows, _timed(draft_step, rows))
+                draft_step(rows)
+                self.draft.observe(rows, draft_step(rows))
 
 
 def _fixed_k(g: Generation) -> int:
@@ -153,37 +163,42 @@ def _doubling(limit: int) -> list[int]:
     return [*sizes, limit]
 
 
-def _timed(work: Callable[[int], None], size: int) -> float:
-    work(size)  # warm up: the first call of a size pays one-off costs
-    start = time.perf_counter()
-    work(size)
-    return time.perf_counter() - start
-
-
 def calibrated_policy(
     verifier: Backend, drafter: Drafter | None, max_draft_tokens: int
 ) -> SpeculationPolicy:
     """A policy whose cost tables are seeded by timing ``verifier`` (forwards of 1 to
-    rows x (K_max + 1) tokens, spread over up to ``slots`` rows) and, for a model drafter,
-    one draft step over 1 to ``slots`` rows. Uses row 0.. of empty caches; leaves them empty."""
+    slots x (K_max + 1) tokens spread over up to ``slots`` rows) and, for a model drafter,
+    one draft step over 1 to ``slots`` rows, each row after a context of ``_CONTEXT`` tokens.
+    Leaves the caches empty."""
     policy = SpeculationPolicy(max_draft_tokens)
     slots = verifier.slots
     draft_backend = getattr(drafter, "backend", None)
 
-    def verify_forward(tokens: int) -> None:
-        _forward_spread(verifier, tokens, slots)
+    def verify_forward(tokens: int) -> float:
+        return _timed_spread(verifier, tokens, slots)
 
-    def draft_step(rows: int) -> None:
-        _forward_spread(draft_backend, rows, rows)
+    def draft_step(rows: int) -> float:
+        return _timed_spread(draft_backend, rows, rows)
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
     return policy
 
 
-def _forward_spread(backend: Backend, tokens: int, rows: int) -> None:
-    """One forward of ``tokens`` tokens spread evenly over ``rows`` rows, then empty them."""
+#: Tokens in each row's cache while a calibration forward is timed.
+_CONTEXT = 256
+
+
+def _timed_spread(backend: Backend, tokens: int, rows: int) -> float:
+    """Seconds of one forward of ``tokens`` tokens spread evenly over ``rows`` rows, each
+    after a context of ``_CONTEXT`` tokens; the rows are emptied after."""
     rows = min(rows, tokens, backend.slots)
     share = -(-tokens // rows)
-    backend.append_ragged([[0] * share for _ in range(rows)], list(range(rows)))
-    for row in range(rows):
+    every = list(range(rows))
+    for row in every:
+        backend.append_ragged([[0] * _CONTEXT], [row], last_only=True)
+    start = time.perf_counter()
+    backend.append_ragged([[0] * share for _ in every], every)
+    seconds = time.perf_counter() - start
+    for row in every:
         backend.reset(row)
+    return seconds

@@ -145,7 +145,7 @@ class Scheduler:
             if request.cancelled:
                 self.counters.requests_cancelled += 1
                 continue
-            admitted.append((request, self._generation(request, self._free.pop())))
+            admitted.append((request, self._generation(request, self._free.pop(0))))
         return admitted
 
     def _generation(self, request: Request, row: int) -> Generation:
@@ -164,8 +164,8 @@ class Scheduler:
     def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
         """Prefill what joined, drop what was cancelled, run one iteration, finish what ended."""
         stepper = self.decoder.stepper
-        if admitted:
-            self._active += admitted
+        if admitted:  # rows in order, so that a batch of neighbouring rows is a view
+            self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
             stepper.prefill([g for _, g in admitted])
         for request, g in [pair for pair in self._active if pair[0].cancelled]:
             self._release(request, g)
@@ -176,7 +176,7 @@ class Scheduler:
         ks = self._draft_lengths(generations)
         timing = stepper.step(generations, ks)
         if self.policy is not None:
-            self.policy.observe(timing, generations)
+            self.policy.observe(timing)
         self.counters.iterations += 1
         self.counters.recent.append((time.monotonic(), timing.emitted))
         for request, g in [pair for pair in self._active if pair[1].done]:
@@ -206,7 +206,7 @@ class Scheduler:
     def _release(self, request: Request, g: Generation) -> None:
         self._active = [pair for pair in self._active if pair[0] is not request]
         with self._wake:
-            self._free.append(g.row)
+            self._free = sorted([*self._free, g.row])  # the lowest free row is taken first
 
     def _fail_all(self, err: Exception) -> None:
         """Report ``err`` to every active request and free their rows."""

@@ -60,19 +60,24 @@ class Stepper:
 
     def prefill(self, generations: Sequence[Generation]) -> None:
         """Empty the generations' rows and feed each its prompt but the last token (which the
-        first iteration feeds with the drafts). Counted as verifier time."""
+        first iteration feeds with the drafts), to the verifier (counted as verifier time) and
+        to the drafter of drafting rows (counted as draft time)."""
         for g in generations:
             self.verifier.reset(g.row)
-            if self.drafter is not None:
-                self.drafter.reset(g.row)
         todo = [g for g in generations if g.prompt_len > 1]
-        if not todo:
-            return
-        start = time.perf_counter()
-        self.verifier.append_ragged([g.context[:-1] for g in todo], [g.row for g in todo], True)
-        elapsed = self._elapsed(start)
-        for g in todo:
-            g.stats.time_verify_s += elapsed
+        if todo:
+            start = time.perf_counter()
+            self.verifier.append_ragged([g.context[:-1] for g in todo], [g.row for g in todo], True)
+            elapsed = self._elapsed(start)
+            for g in todo:
+                g.stats.time_verify_s += elapsed
+        drafting = [g for g in generations if g.drafts]
+        if self.drafter is not None and drafting:
+            start = time.perf_counter()
+            self.drafter.prefill([g.row for g in drafting], [g.context for g in drafting])
+            elapsed = self._elapsed(start)
+            for g in drafting:
+                g.stats.time_draft_s += elapsed
 
     def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
         """One iteration for every generation, drafting up to ``ks[i]`` tokens for the i-th."""

@@ -125,7 +125,8 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.size = size
         self._rows: list[int] = []  # the rows a forward feeds
-        self._index: Tensor | None = None  # [b] those rows, None = every row
+        self._span: slice | None = None  # those rows when they are contiguous
+        self._index: Tensor | None = None  # [b] those rows otherwise
         self._starts: list[int] = []  # where each row's new tokens go
         self._mask: Tensor | None = None  # [B, 1, T, S'] which keys each query sees
         self._end = 0
@@ -135,8 +136,11 @@ class KVCache:
         return their positions [b, T]."""
         device = self.lengths.device
         self._rows = list(range(self.lengths.shape[0])) if rows is None else list(rows)
-        self._index = None if rows is None else torch.tensor(self._rows, device=device)  # [b]
-        lengths = self.lengths if rows is None else self.lengths[self._index]  # [b]
+        first = self._rows[0]
+        contiguous = self._rows == list(range(first, first + len(self._rows)))
+        self._span = slice(first, first + len(self._rows)) if contiguous else None
+        self._index = None if contiguous else torch.tensor(self._rows, device=device)  # [b]
+        lengths = self.lengths[self._span] if contiguous else self.lengths[self._index]  # [b]
         positions = lengths[:, None] + torch.arange(count, device=device)  # [b, T]
         self._end = int(positions.max()) + 1
         if self._end > self.size:
@@ -150,8 +154,8 @@ class KVCache:
 
     def advance(self, counts: Tensor | int) -> None:
         """Grow the lengths of the rows of the last ``begin`` by ``counts`` (int or [b])."""
-        if self._index is None:
-            self.lengths += counts
+        if self._span is not None:
+            self.lengths[self._span] += counts
         else:
             self.lengths[self._index] += counts
 
@@ -172,8 +176,9 @@ class KVCache:
             self.keys[layer, row, :, start : start + count] = k[i]  # slices: no copy
             self.values[layer, row, :, start : start + count] = v[i]
         end = self._end
-        if self._index is None:
-            return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask
+        if self._span is not None:  # a view: no copy
+            rows = self._span
+            return self.keys[layer, rows, :, :end], self.values[layer, rows, :, :end], self._mask
         keys = self.keys[layer, :, :, :end].index_select(0, self._index)
         values = self.values[layer, :, :, :end].index_select(0, self._index)
         return keys, values, self._mask

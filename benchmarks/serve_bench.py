@@ -1,0 +1,258 @@
+"""Serving benchmark: AR, SpS and Cactus(1) behind the OpenAI server at 1-16 concurrent clients.
+
+    python benchmarks/serve_bench.py --out bench-out/serve
+
+Loads the pair once (default: the default pair, bf16 verifier, int8 draft), starts the
+scheduler (speculation policy on, calibrated first) and the server on loopback in this
+process, then for each method and concurrency c runs c client threads with the official
+``openai`` client, each streaming chat completions of HumanEval prompts. Per configuration:
+total tokens/s (all completion tokens / wall time from the first request to the last
+answer), time to first token and inter-token latency (p50, p95 over requests; ITL =
+(last chunk - first chunk) / (tokens - 1)), acceptance, mean K, KL per token.
+
+Each configuration appends one line to ``results.jsonl`` as it finishes; a rerun skips those
+done. ``summary.md`` and ``tokens_per_s.png`` are rewritten from the whole file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+from cactus_spec.bench.tasks import humaneval_items
+from cactus_spec.catalog import DEFAULT_PAIR
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.files import write_text_atomic
+from cactus_spec.rules import Cactus
+from cactus_spec.server.app import ServerConfig, create_app
+from cactus_spec.server.run import BackgroundServer, start_scheduler
+
+#: name -> the request's "speculative" object (no num_draft_tokens: the policy picks K).
+METHODS = {
+    "ar": {"method": "ar"},
+    "sps": {"method": "sps"},
+    "cactus": {"method": "cactus", "delta": 1.0},
+    "cactus K=10 fixed": {"method": "cactus", "delta": 1.0, "num_draft_tokens": 10},
+}
+CONCURRENCY = (1, 4, 8, 16)
+#: Requests per configuration: at least this many, and one per client.
+MIN_REQUESTS = 4
+
+
+def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, seed: int) -> dict:
+    """Stream one chat completion; its timings and usage."""
+    sent = time.perf_counter()
+    stamps = []
+    usage = None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.6,
+        top_p=0.95,
+        seed=seed,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"top_k": 20, "speculative": spec},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    tokens = usage.completion_tokens
+    extra = usage.model_extra["speculative"]
+    itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
+    return {
+        "tokens": tokens,
+        "ttft_s": stamps[0] - sent if stamps else None,
+        "itl_s": itl,
+        "done": time.perf_counter(),
+        "sent": sent,
+        **{k: extra[k] for k in ("iterations", "drafted_tokens", "accepted_tokens", "kl_nats")},
+    }
+
+
+def run_config(client, model, prompts, spec, concurrency, max_tokens) -> dict:
+    """``concurrency`` clients, each sending its share of the requests one after another."""
+    count = max(concurrency, MIN_REQUESTS)
+    jobs = [(prompts[i % len(prompts)], i) for i in range(count)]
+    shares = [jobs[c::concurrency] for c in range(concurrency)]
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client_loop(share):
+        for prompt, seed in share:
+            result = one_request(client, model, prompt, spec, max_tokens, seed)
+            with lock:
+                results.append(result)
+
+    threads = [threading.Thread(target=client_loop, args=(share,)) for share in shares]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return summarise(results, wall)
+
+
+def summarise(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    drafted = sum(r["drafted_tokens"] for r in results)
+    iterations = sum(r["iterations"] for r in results)
+    ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    itl = [r["itl_s"] for r in results if r["itl_s"] is not None]
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p95_s": percentile(itl, 95),
+        "acceptance": sum(r["accepted_tokens"] for r in results) / drafted if drafted else None,
+        "mean_k": drafted / iterations if iterations else 0.0,
+        "kl_nats_per_token": sum(r["kl_nats"] for r in results) / tokens,
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def read_done(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(out: Path, rows: list[dict], settings: dict) -> None:
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    one = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
+    lines = [
+        f"Serving benchmark: {settings}",
+        "",
+        "| method | clients | tokens/s | vs AR | vs 1 client | TTFT p50 / p95 (s) "
+        "| ITL p50 / p95 (ms) | acceptance | mean K | KL nats/token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(rows, key=lambda r: (list(METHODS).index(r["method"]), r["concurrency"])):
+        c = r["concurrency"]
+        vs_ar = f"{r['tokens_per_s'] / ar[c]:.2f}x" if c in ar else "-"
+        vs_one = f"{r['tokens_per_s'] / one[r['method']]:.2f}x" if r["method"] in one else "-"
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        lines.append(
+            f"| {r['method']} | {c} | {r['tokens_per_s']:.1f} | {vs_ar} | {vs_one} "
+            f"| {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} "
+            f"| {1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} "
+            f"| {acc} | {r['mean_k']:.1f} | {r['kl_nats_per_token']:.4f} |"
+        )
+    write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
+    plot(out, rows)
+
+
+def plot(out: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in METHODS:
+        points = sorted(
+            (r["concurrency"], r["tokens_per_s"]) for r in rows if r["method"] == method
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=method)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("total tokens/s")
+    ax.set_xticks(CONCURRENCY)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out / "tokens_per_s.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(out / "tokens_per_s.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_PAIR[0])
+    parser.add_argument("--draft", default=DEFAULT_PAIR[1])
+    parser.add_argument("--verifier-quant", default="none", choices=["none", "int8"])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-k", type=int, default=10, help="largest K the policy may pick")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    parser.add_argument("--out", default="bench-out/serve")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    for name in methods:
+        if name not in METHODS:
+            parser.error(f"--methods: {name!r} is not one of {', '.join(METHODS)}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    settings = {
+        "target": args.target,
+        "draft": args.draft,
+        "verifier_quant": args.verifier_quant,
+        "max_tokens": args.max_tokens,
+        "max_k": args.max_k,
+    }
+    done = read_done(results)
+    todo = [
+        (m, c)
+        for m in methods
+        for c in levels
+        if not any(
+            r["method"] == m and r["concurrency"] == c and r["settings"] == settings for r in done
+        )
+    ]
+    prompts = [item.prompt for item in humaneval_items(max(levels))]
+    decoder = SpeculativeDecoder(
+        args.target,
+        args.draft,
+        Cactus(1.0),
+        args.max_k,
+        verifier_quant=args.verifier_quant,
+        max_batch=max(levels),
+    )
+    scheduler = start_scheduler(decoder, "auto", max_queue=256)
+    app = create_app(scheduler, ServerConfig("bench"))
+    try:
+        with BackgroundServer(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
+            one_request(client, "bench", prompts[0], METHODS["cactus"], 8, 0)  # warm-up
+            for method, concurrency in todo:
+                row = run_config(
+                    client, "bench", prompts, METHODS[method], concurrency, args.max_tokens
+                )
+                row = {"method": method, "concurrency": concurrency, "settings": settings, **row}
+                with results.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(
+                    f"{method:>18} c={concurrency:>2}: {row['tokens_per_s']:6.1f} tok/s, "
+                    f"mean K {row['mean_k']:.1f}",
+                    flush=True,
+                )
+    finally:
+        scheduler.stop()
+    rows = [r for r in read_done(results) if r["settings"] == settings]
+    write_summary(out, rows, settings)
+    print((out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
