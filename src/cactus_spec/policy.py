@@ -173,6 +173,9 @@ def calibrated_policy(
     policy = SpeculationPolicy(max_draft_tokens)
     slots = verifier.slots
     draft_backend = getattr(drafter, "backend", None)
+    backends = [verifier] + ([draft_backend] if draft_backend else [])
+    for backend in backends:  # every row holds a context, once
+        backend.append_ragged([[0] * _CONTEXT] * slots, list(range(slots)), last_only=True)
 
     def verify_forward(tokens: int) -> float:
         return _timed_spread(verifier, tokens, slots)
@@ -181,24 +184,24 @@ def calibrated_policy(
         return _timed_spread(draft_backend, rows, rows)
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
+    for backend in backends:
+        backend.reset()
     return policy
 
 
 #: Tokens in each row's cache while a calibration forward is timed.
-_CONTEXT = 256
+_CONTEXT = 64
 
 
 def _timed_spread(backend: Backend, tokens: int, rows: int) -> float:
-    """Seconds of one forward of ``tokens`` tokens spread evenly over ``rows`` rows, each
-    after a context of ``_CONTEXT`` tokens; the rows are emptied after."""
+    """Seconds of one forward of ``tokens`` tokens spread evenly over ``rows`` rows that
+    hold ``_CONTEXT`` tokens each; the rows are rolled back to that context after."""
     rows = min(rows, tokens, backend.slots)
     share = -(-tokens // rows)
     every = list(range(rows))
-    for row in every:
-        backend.append_ragged([[0] * _CONTEXT], [row], last_only=True)
     start = time.perf_counter()
     backend.append_ragged([[0] * share for _ in every], every)
     seconds = time.perf_counter() - start
     for row in every:
-        backend.reset(row)
+        backend.rollback(_CONTEXT, row)
     return seconds
