@@ -2,12 +2,13 @@
 
     python benchmarks/serve_bench.py --out bench-out/serve
 
-Loads the pair once (default: the default pair, bf16 verifier, int8 draft), starts the
-scheduler (speculation policy on, calibrated first) and the server on loopback in this
-process, then for each method and concurrency c runs c client threads with the official
-``openai`` client, each streaming chat completions of HumanEval prompts. Per configuration:
-total tokens/s (all completion tokens / wall time from the first request to the last
-answer), time to first token and inter-token latency (p50, p95 over requests; ITL =
+Starts ``cactus-spec serve`` in its own process on loopback (default pair: bf16 verifier,
+int8 draft; speculation policy auto, calibrated first; 16 rows), then for each method and
+concurrency c runs c client threads in this process with the official ``openai`` client,
+each streaming chat completions of HumanEval prompts one after another (two per client, at
+least 4 in all), so requests join and leave a running batch. Per configuration: total
+tokens/s (all completion tokens / wall time from the first request to the last answer),
+time to first token and inter-token latency (p50, p95 over requests; ITL =
 (last chunk - first chunk) / (tokens - 1)), acceptance, mean K, KL per token.
 
 Each configuration appends one line to ``results.jsonl`` as it finishes; a rerun skips those
@@ -17,20 +18,21 @@ done. ``summary.md`` and ``tokens_per_s.png`` are rewritten from the whole file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
 
 from cactus_spec.bench.tasks import humaneval_items
 from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.engine import SpeculativeDecoder
 from cactus_spec.files import write_text_atomic
-from cactus_spec.rules import Cactus
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
 
 #: name -> the request's "speculative" object (no num_draft_tokens: the policy picks K).
 METHODS = {
@@ -40,8 +42,9 @@ METHODS = {
     "cactus K=10 fixed": {"method": "cactus", "delta": 1.0, "num_draft_tokens": 10},
 }
 CONCURRENCY = (1, 4, 8, 16)
-#: Requests per configuration: at least this many, and one per client.
+#: Requests per configuration: at least this many, and this many per client.
 MIN_REQUESTS = 4
+REQUESTS_PER_CLIENT = 2
 
 
 def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, seed: int) -> dict:
@@ -80,7 +83,7 @@ def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, se
 
 def run_config(client, model, prompts, spec, concurrency, max_tokens) -> dict:
     """``concurrency`` clients, each sending its share of the requests one after another."""
-    count = max(concurrency, MIN_REQUESTS)
+    count = max(REQUESTS_PER_CLIENT * concurrency, MIN_REQUESTS)
     jobs = [(prompts[i % len(prompts)], i) for i in range(count)]
     shares = [jobs[c::concurrency] for c in range(concurrency)]
     results: list[dict] = []
@@ -185,6 +188,40 @@ def plot(out: Path, rows: list[dict]) -> None:
     tmp.replace(out / "tokens_per_s.png")
 
 
+@contextlib.contextmanager
+def served(args, max_batch: int, log: Path):
+    """``cactus-spec serve`` in its own process (policy auto), until it answers /health."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "cactus_spec", "serve", "--target", args.target,
+        "--draft", args.draft, "--verifier-quant", args.verifier_quant,
+        "--num-draft-tokens", str(args.max_k), "--max-batch", str(max_batch),
+        "--max-queue", "256", "--port", str(port), "--served-model-name", "bench",
+    ]  # fmt: skip
+    with log.open("w") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            while True:
+                if server.poll() is not None:
+                    raise SystemExit(f"the server exited ({server.returncode}); see {log}")
+                try:
+                    urllib.request.urlopen(f"{url}/health", timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(1)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_PAIR[0])
@@ -220,35 +257,22 @@ def main() -> None:
             r["method"] == m and r["concurrency"] == c and r["settings"] == settings for r in done
         )
     ]
-    prompts = [item.prompt for item in humaneval_items(max(levels))]
-    decoder = SpeculativeDecoder(
-        args.target,
-        args.draft,
-        Cactus(1.0),
-        args.max_k,
-        verifier_quant=args.verifier_quant,
-        max_batch=max(levels),
-    )
-    scheduler = start_scheduler(decoder, "auto", max_queue=256)
-    app = create_app(scheduler, ServerConfig("bench"))
-    try:
-        with BackgroundServer(app) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
-            one_request(client, "bench", prompts[0], METHODS["cactus"], 8, 0)  # warm-up
-            for method, concurrency in todo:
-                row = run_config(
-                    client, "bench", prompts, METHODS[method], concurrency, args.max_tokens
-                )
-                row = {"method": method, "concurrency": concurrency, "settings": settings, **row}
-                with results.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(
-                    f"{method:>18} c={concurrency:>2}: {row['tokens_per_s']:6.1f} tok/s, "
-                    f"mean K {row['mean_k']:.1f}",
-                    flush=True,
-                )
-    finally:
-        scheduler.stop()
+    prompts = [item.prompt for item in humaneval_items(REQUESTS_PER_CLIENT * max(levels))]
+    with served(args, max(levels), out / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
+        one_request(client, "bench", prompts[0], METHODS["cactus"], 8, 0)  # warm-up
+        for method, concurrency in todo:
+            row = run_config(
+                client, "bench", prompts, METHODS[method], concurrency, args.max_tokens
+            )
+            row = {"method": method, "concurrency": concurrency, "settings": settings, **row}
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"{method:>18} c={concurrency:>2}: {row['tokens_per_s']:6.1f} tok/s, "
+                f"mean K {row['mean_k']:.1f}",
+                flush=True,
+            )
     rows = [r for r in read_done(results) if r["settings"] == settings]
     write_summary(out, rows, settings)
     print((out / "summary.md").read_text())
