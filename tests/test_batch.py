@@ -140,3 +140,13 @@ def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_de
     ar = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, rule=None)
     k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g])
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
+
+
+def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
+    d = decoder(1)
+    g = d.new_generation(list(range(1, 101)), 50, SamplingConfig(), 0, num_draft_tokens=None)
+    policy = policy_with(0.002, {1: 0.050, 9: 0.052, 16: 0.060, 144: 0.9})
+    policy.catch_up_token_s = 0.050  # a slow drafter: 100 prompt tokens to read cost 5 s
+    assert g.drafter_lag == 100 and policy.choose([g]) == [0]
+    g.drafter_seen = len(g.context)  # caught up: drafting pays again
+    assert policy.choose([g]) == [8]

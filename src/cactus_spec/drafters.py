@@ -45,10 +45,6 @@ class Drafter(Protocol):
     def reset(self, row: int | None = None) -> None:
         """Forget any state from an earlier sequence in ``row`` (default: every row)."""
 
-    def prefill(self, rows: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
-        """Start new sequences: forget each row's state and do ahead of time what the
-        first ``propose`` for that context would do (a model drafter reads the prompt)."""
-
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """For each request, up to ``k`` tokens that may follow its context."""
 
@@ -67,8 +63,11 @@ class ModelDrafter:
 
     Each row's cache keeps the longest prefix it shares with the row's new context (it is
     rolled back after a rejection, never recomputed), then catches up on the tokens it has
-    not seen (the corrected token, or the last draft and the bonus token after a fully
-    accepted block) in the first of its K forward passes. Every draft step is one forward
+    not seen in the first of its K forward passes: the corrected token, or the last draft
+    and the bonus token after a fully accepted block, or, the first time (or after
+    iterations that drafted nothing), the prompt and everything since. Reading a prompt
+    only when a row first drafts means a row that never drafts costs the draft model
+    nothing. Every draft step is one forward
     over all rows still drafting; each row draws from its own generator, in the same order
     as alone.
     """
@@ -84,16 +83,6 @@ class ModelDrafter:
             self._cached = {}
         else:
             self._cached.pop(row, None)
-
-    def prefill(self, rows: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
-        """Feed each new context but its last token, every row in as few forwards as the
-        backend allows; the first ``propose`` then feeds only the last token."""
-        for row, context in zip(rows, contexts, strict=True):
-            self.backend.reset(row)
-            self._cached[row] = list(context[:-1])
-        todo = [(row, list(c[:-1])) for row, c in zip(rows, contexts, strict=True) if len(c) > 1]
-        if todo:
-            self.backend.append_ragged([c for _, c in todo], [row for row, _ in todo], True)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         pending = [self._catch_up(r) for r in requests]
@@ -153,9 +142,6 @@ class NGramDrafter:
 
     def reset(self, row: int | None = None) -> None:
         """Stateless: nothing to forget."""
-
-    def prefill(self, rows: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
-        """Stateless: nothing to read ahead."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self.propose_one(r.context, r.k) for r in requests]

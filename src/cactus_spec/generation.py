@@ -156,6 +156,7 @@ class Generation:
         self.streamed = ""
         self.done = False
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.drafter_seen = 0  # context length when the drafter last drafted for this row
         self.started = time.perf_counter()
 
     @property
@@ -165,6 +166,11 @@ class Generation:
     @property
     def drafts(self) -> bool:
         return self.rule is not None
+
+    @property
+    def drafter_lag(self) -> int:
+        """Tokens a model drafter would have to catch up on before drafting for this row."""
+        return len(self.context) - self.drafter_seen
 
     def draft_budget(self, k: int) -> int:
         """How many of ``k`` drafts could still be emitted: one token of the budget is the

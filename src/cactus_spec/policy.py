@@ -8,11 +8,14 @@ K tokens for each row yields in expectation
 
 and costs
 
-    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1))   seconds,
+    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1)) + [K > 0] c L / 8   seconds,
 
-where t_draft(b) is one draft step over b rows and t_verify(n) one verifier forward over n
-tokens in all, both read off ``CostTable``s that every iteration updates (an exponential
-moving average per size, seeded by a short calibration). The policy drafts the K in
+where t_draft(b) is one draft step over b rows, t_verify(n) one verifier forward over n
+tokens in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
+what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
+each, paid off over 8 iterations. Costs are read off ``CostTable``s that every iteration
+updates (an exponential moving average per size, seeded by a short calibration). The policy
+drafts the K in
 0..K_max that maximises E(K) / T(K). K = 0 is plain decoding (E = B, T = t_verify(B)), one of
 the candidates, so the policy never picks a K it predicts to be slower than plain decoding:
 at high concurrency, where a verifier forward over B (K + 1) tokens costs much more than
@@ -32,6 +35,10 @@ from cactus_spec.stepper import StepTiming
 
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
+#: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
+_STEADY_LAG = 2
+#: Iterations over which a drafter's catch-up on skipped tokens is paid off.
+_AMORTISE_ITERATIONS = 8
 #: A draft step this many times dearer than its estimate is a catch-up, not a step.
 _CATCH_UP_FACTOR = 3.0
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
@@ -87,6 +94,7 @@ class SpeculationPolicy:
         self.verify = CostTable()  # one verifier forward, by tokens
         self.pool_accepted = 1.0
         self.pool_reached = 2.0
+        self.catch_up_token_s = 0.0  # a model drafter reading one token it skipped
 
     def alpha(self, g: Generation) -> float:
         """The row's acceptance rate per position, shrunk towards the pool's."""
@@ -109,10 +117,14 @@ class SpeculationPolicy:
         fixed_tokens = sum(k + 1 for k in fixed)
         rows = len(auto) + len(fixed)
 
+        lag = sum(g.drafter_lag for g in auto if g.drafter_lag > _STEADY_LAG)
+        catch_up = lag * self.catch_up_token_s / _AMORTISE_ITERATIONS
+
         def rate(k: int) -> float:
             tokens = sum(expected_tokens(a, k) for a in alphas)
             cost = self.verify.estimate(fixed_tokens + len(auto) * (k + 1))
-            cost += k * self.draft.estimate(rows)
+            if k > 0:
+                cost += k * self.draft.estimate(rows) + catch_up
             return tokens / cost if cost > 0 else float(k == 0)
 
         return max(range(self.max_draft_tokens + 1), key=rate)
@@ -141,14 +153,16 @@ class SpeculationPolicy:
         """Seed the tables with ``verify_forward(n)``, the seconds of a verifier forward of n
         tokens, for n = 1, 2, 4, ... up to max_rows (K_max + 1), and ``draft_step(b)``, the
         seconds of one draft step over b rows, for b = 1, 2, 4, ... max_rows. Each size is
-        run twice and the second timing kept (the first pays one-off costs)."""
+        run three times and the least timing kept (noise only ever adds time)."""
         for size in _doubling(max_rows * (self.max_draft_tokens + 1)):
-            verify_forward(size)
-            self.verify.observe(size, verify_forward(size))
+            self.verify.observe(size, _least_of_three(verify_forward, size))
         if draft_step is not None:
             for rows in _doubling(max_rows):
-                draft_step(rows)
-                self.draft.observe(rows, draft_step(rows))
+                self.draft.observe(rows, _least_of_three(draft_step, rows))
+
+
+def _least_of_three(work: Callable[[int], float], size: int) -> float:
+    return min(work(size) for _ in range(3))
 
 
 def _fixed_k(g: Generation) -> int:
@@ -184,6 +198,9 @@ def calibrated_policy(
         return _timed_spread(draft_backend, rows, rows)
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
+    if draft_backend is not None:
+        policy.catch_up_token_s = min(_timed_spread(draft_backend, _CONTEXT, 1) for _ in range(2))
+        policy.catch_up_token_s /= _CONTEXT
     for backend in backends:
         backend.reset()
     return policy

@@ -59,25 +59,21 @@ class Stepper:
         self._sync = _needs_sync(verifier)
 
     def prefill(self, generations: Sequence[Generation]) -> None:
-        """Empty the generations' rows and feed each its prompt but the last token (which the
-        first iteration feeds with the drafts), to the verifier (counted as verifier time) and
-        to the drafter of drafting rows (counted as draft time)."""
+        """Empty the generations' rows and feed the verifier each prompt but the last token
+        (which the first iteration feeds with the drafts); counted as verifier time. The
+        drafter reads a prompt only when its row first drafts (``drafters``)."""
         for g in generations:
             self.verifier.reset(g.row)
+            if self.drafter is not None:
+                self.drafter.reset(g.row)
         todo = [g for g in generations if g.prompt_len > 1]
-        if todo:
-            start = time.perf_counter()
-            self.verifier.append_ragged([g.context[:-1] for g in todo], [g.row for g in todo], True)
-            elapsed = self._elapsed(start)
-            for g in todo:
-                g.stats.time_verify_s += elapsed
-        drafting = [g for g in generations if g.drafts]
-        if self.drafter is not None and drafting:
-            start = time.perf_counter()
-            self.drafter.prefill([g.row for g in drafting], [g.context for g in drafting])
-            elapsed = self._elapsed(start)
-            for g in drafting:
-                g.stats.time_draft_s += elapsed
+        if not todo:
+            return
+        start = time.perf_counter()
+        self.verifier.append_ragged([g.context[:-1] for g in todo], [g.row for g in todo], True)
+        elapsed = self._elapsed(start)
+        for g in todo:
+            g.stats.time_verify_s += elapsed
 
     def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
         """One iteration for every generation, drafting up to ``ks[i]`` tokens for the i-th."""
@@ -120,6 +116,7 @@ class Stepper:
         for g, k in zip(generations, budgets, strict=True):
             if k > 0:
                 g.stats.time_draft_s += elapsed
+                g.drafter_seen = len(g.context)
             drafts.append(next(proposed) if k > 0 else Draft([], None))
         return drafts, max(budgets), elapsed
 
