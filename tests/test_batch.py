@@ -4,6 +4,7 @@ forward with ragged acceptance, give each row exactly the tokens it gives alone.
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tiny_lm
 from test_engine import noisy_copy
 
@@ -23,14 +24,15 @@ ROWS = [
 LENGTHS = [30, 17, 25, 12, 40]
 
 
-def decoder(batch: int) -> SpeculativeDecoder:
+def decoder(batch: int, device: str = "cpu") -> SpeculativeDecoder:
     target = make_tiny_lm(seed=0)
-    return SpeculativeDecoder(target, noisy_copy(target, 0.4, seed=1), max_batch=batch)
+    draft = noisy_copy(target, 0.4, seed=1)
+    return SpeculativeDecoder(target, draft, max_batch=batch, device=device)
 
 
-def alone(row: int) -> list[int]:
+def alone(row: int, device: str = "cpu") -> list[int]:
     prompt, seed, sampling, rule, k = ROWS[row]
-    d = decoder(1)
+    d = decoder(1, device)
     g = d.new_generation(prompt, LENGTHS[row], sampling, seed, rule=rule, num_draft_tokens=k)
     d.stepper.prefill([g])
     while not g.done:
@@ -55,12 +57,22 @@ def together(d: SpeculativeDecoder, shared_generator: bool = False) -> list[list
     return [g.new_ids for g in generations]
 
 
-def test_a_row_in_a_batch_gives_the_tokens_it_gives_alone() -> None:
-    d = decoder(len(ROWS))
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_in_a_batch_gives_the_tokens_it_gives_alone(device: str) -> None:
+    d = decoder(len(ROWS), device)
     batched = together(d)
     assert [len(ids) for ids in batched] == LENGTHS
     for row in range(len(ROWS)):
-        assert batched[row] == alone(row), row
+        assert batched[row] == alone(row, device), row
     accepted = [d.stepper.verifier.length_of(row) for row in range(len(ROWS))]
     assert all(n > 0 for n in accepted)
 

@@ -168,6 +168,11 @@ class Generation:
         return self.rule is not None
 
     @property
+    def remaining(self) -> int:
+        """Tokens of the budget not yet emitted."""
+        return self.max_new - len(self.new_ids)
+
+    @property
     def drafter_lag(self) -> int:
         """Tokens a model drafter would have to catch up on before drafting for this row."""
         return len(self.context) - self.drafter_seen

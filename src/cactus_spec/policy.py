@@ -8,15 +8,15 @@ K tokens for each row yields in expectation
 
 and costs
 
-    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1)) + [K > 0] c L / 8   seconds,
+    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1)) + [K > 0] c L / N(K)   seconds,
 
 where t_draft(b) is one draft step over b rows, t_verify(n) one verifier forward over n
 tokens in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
 what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
-each, paid off over 8 iterations. Costs are read off ``CostTable``s that every iteration
-updates (an exponential moving average per size, seeded by a short calibration). The policy
-drafts the K in
-0..K_max that maximises E(K) / T(K). K = 0 is plain decoding (E = B, T = t_verify(B)), one of
+each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
+are read off ``CostTable``s that every iteration updates (an exponential moving average per
+size, seeded by a short calibration). The policy drafts the K in 0..K_max that maximises
+E(K) / T(K). K = 0 is plain decoding (E = B, T = t_verify(B)), one of
 the candidates, so the policy never picks a K it predicts to be slower than plain decoding:
 at high concurrency, where a verifier forward over B (K + 1) tokens costs much more than
 over B, it drafts less or not at all.
@@ -37,8 +37,6 @@ from cactus_spec.stepper import StepTiming
 _EMA = 0.2
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
-#: Iterations over which a drafter's catch-up on skipped tokens is paid off.
-_AMORTISE_ITERATIONS = 8
 #: A draft step this many times dearer than its estimate is a catch-up, not a step.
 _CATCH_UP_FACTOR = 3.0
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
@@ -118,14 +116,16 @@ class SpeculationPolicy:
         rows = len(auto) + len(fixed)
 
         lag = sum(g.drafter_lag for g in auto if g.drafter_lag > _STEADY_LAG)
-        catch_up = lag * self.catch_up_token_s / _AMORTISE_ITERATIONS
+        catch_up = lag * self.catch_up_token_s
+        remaining = max(1.0, sum(g.remaining for g in auto) / len(auto))  # tokens per row
 
         def rate(k: int) -> float:
-            tokens = sum(expected_tokens(a, k) for a in alphas)
+            per_row = [expected_tokens(a, k) for a in alphas]
             cost = self.verify.estimate(fixed_tokens + len(auto) * (k + 1))
-            if k > 0:
-                cost += k * self.draft.estimate(rows) + catch_up
-            return tokens / cost if cost > 0 else float(k == 0)
+            if k > 0:  # the catch-up, paid off over the iterations the rows have left
+                iterations_left = remaining / (sum(per_row) / len(per_row))
+                cost += k * self.draft.estimate(rows) + catch_up / iterations_left
+            return sum(per_row) / cost if cost > 0 else float(k == 0)
 
         return max(range(self.max_draft_tokens + 1), key=rate)
 

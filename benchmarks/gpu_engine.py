@@ -1,0 +1,107 @@
+"""The engine on a GPU at the default pair's shapes: forward costs and batched throughput.
+
+    python benchmarks/gpu_engine.py --verifier-config V.json --draft-config D.json
+
+The default pair's weights cannot travel to a lent GPU machine (no network there, a 64 MiB
+limit on what travels), so both models are built from their ``config.json`` with random
+bfloat16 weights: speed does not depend on the weights' values, acceptance does, so this
+measures costs, not speedups. Prints, one line each:
+
+- verifier forward of B rows x T tokens (T = 1 and 11) after a 256-token context: ms;
+- one draft step over B rows: ms, and c = draft step / verifier step at the same B;
+- batched autoregressive decoding through the stepper, B rows x 128 new tokens: tokens/s;
+- Hugging Face ``generate`` (greedy, static shapes off) at B = 1 for comparison: tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.sampling import SamplingConfig
+
+BATCHES = (1, 4, 8, 16)
+CONTEXT = 256
+
+
+def random_model(path: str) -> torch.nn.Module:
+    with open(path, encoding="utf-8") as f:
+        config = AutoConfig.for_model(**json.load(f))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def forward_ms(backend, tokens: int, rows: int) -> float:
+    for row in range(rows):
+        backend.append_ragged([[1] * CONTEXT], [row], last_only=True)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        backend.append_ragged([[1] * tokens for _ in range(rows)], list(range(rows)))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        for row in range(rows):
+            backend.rollback(CONTEXT, row)
+    backend.reset()
+    return 1000 * min(times)
+
+
+def ar_tokens_per_s(decoder: SpeculativeDecoder, rows: int, new: int) -> float:
+    gens = [
+        decoder.new_generation([1 + r] * 32, new, SamplingConfig(), r, rule=None, row=r)
+        for r in range(rows)
+    ]
+    decoder.stepper.prefill(gens)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while active := [g for g in gens if not g.done]:
+        decoder.stepper.step(active, [0] * len(active))
+    torch.cuda.synchronize()
+    return sum(len(g.new_ids) for g in gens) / (time.perf_counter() - start)
+
+
+def hf_tokens_per_s(model, new: int) -> float:
+    ids = torch.full((1, 32), 1, device="cuda")
+    model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    torch.cuda.synchronize()
+    return new / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verifier-config", required=True)
+    parser.add_argument("--draft-config", required=True)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    verifier, draft = random_model(args.verifier_config), random_model(args.draft_config)
+    decoder = SpeculativeDecoder(
+        verifier, draft, num_draft_tokens=10, device="cuda", max_batch=max(BATCHES)
+    )
+    v_backend, d_backend = decoder.target_backend, decoder.drafter.backend
+    for rows in BATCHES:
+        one = forward_ms(v_backend, 1, rows)
+        block = forward_ms(v_backend, 11, rows)
+        step = forward_ms(d_backend, 1, rows)
+        print(
+            f"B={rows:>2}: verifier T=1 {one:6.2f} ms, T=11 {block:6.2f} ms "
+            f"(v = {block / one:.2f}); draft step {step:6.2f} ms (c = {step / one:.2f})"
+        )
+    for rows in BATCHES:
+        rate = ar_tokens_per_s(decoder, rows, args.new_tokens)
+        print(f"AR through the stepper, B={rows:>2}: {rate:7.1f} tokens/s")
+    rate = hf_tokens_per_s(decoder.target.model, args.new_tokens)
+    print(f"HF generate, B= 1: {rate:7.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
