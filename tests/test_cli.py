@@ -57,6 +57,25 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
     assert re.search(message, err), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--method", "sps", "--delta", "0.5"], "delta does not apply to method sps"),
+        (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+        (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1, got 0"),
+        (["--port", "70000"], r"--port must be in \[0, 65535\], got 70000"),
+        (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),
+    ],
+)
+def test_bad_serve_input_is_one_line_and_exit_2_before_loading(argv, message, capsys) -> None:
+    assert main(["serve", "--target", "/nonexistent/model.gguf", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
 def test_empty_prompt(capsys) -> None:
     assert main(["generate", "  "]) == 2
     assert "prompt must not be empty" in capsys.readouterr().err

@@ -199,22 +199,16 @@ def _check_model_args(args: argparse.Namespace) -> None:
     check_load_options(args.dtype, args.device, args.threads)
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from cactus_spec.engine import SpeculativeDecoder, check_prompt_text
+def _decoder(args: argparse.Namespace, rule, max_batch: int = 1, announce: bool = False):
+    """The decoder the model flags, --drafter and --num-draft-tokens describe, for ``rule``
+    (None: autoregressive, no draft model loaded)."""
+    from cactus_spec.engine import SpeculativeDecoder
 
-    given = {name: getattr(args, name) for name in _method_flags()}
-    rule = build_rule(args.method, given)
-    if args.method == "ar" and args.drafter is not None:
-        raise ValueError("--drafter does not apply to --method ar (no drafting)")
-    # Cheap checks first, so a typo fails before any model loads.
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    _check_counts(args)
-    check_seed(args.seed, "--seed")
-    check_prompt_text(args.prompt)
-    _check_model_args(args)
     drafter = args.drafter or "model"
     target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
-    decoder = SpeculativeDecoder(
+    if announce:
+        stderr.print(f"loading {target} (verifier){f', {draft} (draft)' if draft else ''} …")
+    return SpeculativeDecoder(
         target,
         draft,
         rule,
@@ -226,7 +220,24 @@ def run_generate(args: argparse.Namespace) -> int:
         backend=args.backend,
         draft_quant=args.draft_quant,
         verifier_quant=args.verifier_quant,
+        max_batch=max_batch,
     )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from cactus_spec.engine import check_prompt_text
+
+    given = {name: getattr(args, name) for name in _method_flags()}
+    rule = build_rule(args.method, given)
+    if args.method == "ar" and args.drafter is not None:
+        raise ValueError("--drafter does not apply to --method ar (no drafting)")
+    # Cheap checks first, so a typo fails before any model loads.
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    _check_counts(args)
+    check_seed(args.seed, "--seed")
+    check_prompt_text(args.prompt)
+    _check_model_args(args)
+    decoder = _decoder(args, rule)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
 
@@ -345,36 +356,22 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from cactus_spec.engine import SpeculativeDecoder
     from cactus_spec.server.app import ServerConfig, create_app
     from cactus_spec.server.run import start_scheduler
 
     rule = build_rule(args.method, {name: getattr(args, name) for name in _method_flags()})
+    if args.method == "ar" and args.drafter is not None:
+        raise ValueError("--drafter does not apply to --method ar (no drafting)")
     for flag in ("num_draft_tokens", "max_batch", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)
-    drafter = args.drafter or "model"
-    target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
-    stderr.print(f"loading {target} (verifier){f', {draft} (draft)' if draft else ''} …")
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        rule,
-        args.num_draft_tokens,
-        drafter if rule is not None else "model",
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        backend=args.backend,
-        draft_quant=args.draft_quant,
-        verifier_quant=args.verifier_quant,
-        max_batch=args.max_batch,
-    )
+    decoder = _decoder(args, rule, args.max_batch, announce=True)
     scheduler = start_scheduler(decoder, args.policy, args.max_queue)
-    config = ServerConfig(args.served_model_name or target, args.api_key, args.default_max_tokens)
+    model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
+    config = ServerConfig(model_id, args.api_key, args.default_max_tokens)
     try:
         uvicorn.run(create_app(scheduler, config), host=args.host, port=args.port)
     finally:
