@@ -187,8 +187,11 @@ def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, st
     return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
 
-def _check_counts(args: argparse.Namespace) -> None:
-    for flag in ("num_draft_tokens", "max_new_tokens"):
+def _check_counts(
+    args: argparse.Namespace, flags: tuple[str, ...] = ("num_draft_tokens", "max_new_tokens")
+) -> None:
+    """ValueError naming the first of ``flags`` below 1."""
+    for flag in flags:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
 
@@ -362,9 +365,7 @@ def run_serve(args: argparse.Namespace) -> int:
     rule = build_rule(args.method, {name: getattr(args, name) for name in _method_flags()})
     if args.method == "ar" and args.drafter is not None:
         raise ValueError("--drafter does not apply to --method ar (no drafting)")
-    for flag in ("num_draft_tokens", "max_batch", "max_queue", "default_max_tokens"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    _check_counts(args, ("num_draft_tokens", "max_batch", "max_queue", "default_max_tokens"))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)

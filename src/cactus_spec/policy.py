@@ -28,10 +28,12 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from cactus_spec.backends.base import Backend
 from cactus_spec.drafters import Drafter
 from cactus_spec.generation import Generation
-from cactus_spec.stepper import StepTiming
+from cactus_spec.stepper import StepTiming, needs_sync
 
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
@@ -199,8 +201,8 @@ def calibrated_policy(
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
     if draft_backend is not None:
-        policy.catch_up_token_s = min(_timed_spread(draft_backend, _CONTEXT, 1) for _ in range(2))
-        policy.catch_up_token_s /= _CONTEXT
+        read = _least_of_three(lambda tokens: _timed_spread(draft_backend, tokens, 1), _CONTEXT)
+        policy.catch_up_token_s = read / _CONTEXT
     for backend in backends:
         backend.reset()
     return policy
@@ -216,8 +218,11 @@ def _timed_spread(backend: Backend, tokens: int, rows: int) -> float:
     rows = min(rows, tokens, backend.slots)
     share = -(-tokens // rows)
     every = list(range(rows))
+    sync = needs_sync(backend)
     start = time.perf_counter()
     backend.append_ragged([[0] * share for _ in every], every)
+    if sync:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     for row in every:
         backend.rollback(_CONTEXT, row)

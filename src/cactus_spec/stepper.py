@@ -56,7 +56,7 @@ class Stepper:
         self.verifier = verifier
         self.drafter = drafter
         self.vocab_size = vocab_size
-        self._sync = _needs_sync(verifier)
+        self._sync = needs_sync(verifier)
 
     def prefill(self, generations: Sequence[Generation]) -> None:
         """Empty the generations' rows and feed the verifier each prompt but the last token
@@ -126,7 +126,7 @@ class Stepper:
         return time.perf_counter() - start
 
 
-def _needs_sync(backend: Backend) -> bool:
+def needs_sync(backend: Backend) -> bool:
     """Whether the backend's work runs asynchronously (CUDA): timings then synchronise."""
     model = getattr(backend, "model", None)
     parameters = getattr(model, "parameters", None)

@@ -250,13 +250,11 @@ class LeanModel(nn.Module):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @torch.inference_mode()
-    def forward(
-        self, tokens: Tensor, cache: KVCache, rows: list[int] | None = None, keep: int = 0
-    ) -> Tensor:
-        """Feed tokens [b, T] to ``rows`` of the cache (default: every row), after each row's
-        cached ones; return float32 logits of the last ``keep`` positions [b, keep, V] (all T
-        when keep = 0). Those rows' lengths grow by T."""
-        x = self.hidden(tokens, cache, rows)
+    def forward(self, tokens: Tensor, cache: KVCache, keep: int = 0) -> Tensor:
+        """Feed tokens [B, T] to every row of the cache, after each row's cached ones; return
+        float32 logits of the last ``keep`` positions [B, keep, V] (all T when keep = 0).
+        Every row's length grows by T (``LeanBackend.append_ragged`` feeds chosen rows)."""
+        x = self.hidden(tokens, cache)
         if keep:
             x = x[:, -keep:]
         cache.advance(tokens.shape[1])
@@ -348,8 +346,8 @@ class LeanBackend:
         if any(len(ids) == 0 for ids in token_lists):
             raise ValueError("append needs at least one token")
         short = [i for i, ids in enumerate(token_lists) if len(ids) <= _SHARED_FORWARD_TOKENS]
-        groups = [short] if short else []
-        groups += [[i] for i in range(len(token_lists)) if i not in set(short)]
+        long = [i for i, ids in enumerate(token_lists) if len(ids) > _SHARED_FORWARD_TOKENS]
+        groups = ([short] if short else []) + [[i] for i in long]
         out: list[Tensor | None] = [None] * len(token_lists)
         for group in groups:
             lists = [token_lists[i] for i in group]
