@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from cactus_spec.models import LoadedModel, load_model
 
 LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
 
@@ -32,3 +37,18 @@ def make_tiny_lm(vocab_size: int = 128, seed: int = 0, num_layers: int = 2) -> L
 def tiny_lm() -> LlamaForCausalLM:
     """The default tiny model (vocabulary 128, seed 0)."""
     return make_tiny_lm()
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LoadedModel, LoadedModel]:
+    """A tiny verifier and a tiny one-layer draft, loaded as the bench loads models."""
+    return load_model(make_tiny_lm(seed=0)), load_model(make_tiny_lm(seed=1, num_layers=1))
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    """A prompt file of four token-id prompts of 3 to 6 tokens."""
+    path = tmp_path / "prompts.jsonl"
+    base = [5, 17, 3, 99, 42, 7, 17, 3]
+    path.write_text("".join(json.dumps({"prompt": base[: 3 + i]}) + "\n" for i in range(4)))
+    return path

@@ -18,7 +18,7 @@ from cactus_spec.bench.runner import BenchSettings, run_bench, schedule
 from cactus_spec.bench.store import RESULTS_FILE, RUN_FILE, RunMismatchError
 from cactus_spec.bench.tasks import Item, TaskSpec, load_items
 from cactus_spec.cli import main
-from cactus_spec.models import LoadedModel, load_model
+from cactus_spec.models import load_model
 
 GRID = [
     "ar",
@@ -48,19 +48,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models() -> tuple[LoadedModel, LoadedModel]:
-    return load_model(make_tiny_lm(seed=0)), load_model(make_tiny_lm(seed=1, num_layers=1))
-
-
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "prompts.jsonl"
-    base = [5, 17, 3, 99, 42, 7, 17, 3]
-    path.write_text("".join(json.dumps({"prompt": base[: 3 + i]}) + "\n" for i in range(4)))
-    return path
 
 
 def settings(prompts: Path, n: int | None = 2, grid=GRID, tokens: int = 8) -> BenchSettings:

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from cactus_spec.bench.grading import grade
 from cactus_spec.bench.tasks import (
+    Item,
     TaskSpec,
     extract_answer,
     gsm_items,
@@ -14,6 +16,7 @@ from cactus_spec.bench.tasks import (
     is_correct,
     load_items,
     prompt_items,
+    stated_answer,
 )
 
 
@@ -38,6 +41,37 @@ def test_is_correct_compares_numbers() -> None:
     assert is_correct("The answer is 1,200.", "1200")
     assert not is_correct("The answer is 71.", "70")
     assert not is_correct("I do not know.", "70")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 + 4 = 7.\nThe answer is 42.", "42"),
+        ("**The answer is 1,234.**", "1234"),
+        ("So the final answer is: $\\boxed{-3.5}$", "-3.5"),
+        ("The answer is 3. On reflection, the answer is 9.", "9"),
+        ("Answer: 42", None),  # not the form asked for
+        ("The answer is unclear, maybe 4.", None),
+    ],
+)
+def test_stated_answer_reads_the_last_answer_form(text: str, expected: str | None) -> None:
+    assert stated_answer(text) == expected
+
+
+def test_gsm_grading_reads_the_form_and_reports_the_last_number_beside_it() -> None:
+    item = Item("q", "prompt", "42")
+    texts = ["The answer is 42. Check: 40 + 2.", "6 * 7 = 42", "The answer is 41.", None]
+    stated, unstated, wrong, missing = grade("gsm", [(item, text) for text in texts])
+    assert stated["correct"] and not stated["correct_fallback"]  # last number is 2
+    assert not unstated["correct"] and unstated["correct_fallback"]
+    assert unstated["prediction"] is None and unstated["prediction_fallback"] == "42"
+    assert not wrong["correct"] and not wrong["correct_fallback"]
+    assert missing == {}
+
+
+def test_prompt_items_with_answers_are_graded_by_the_last_number() -> None:
+    fields = grade("prompts", [(Item("a", "p", "7"), "It is 7."), (Item("b", "p"), "7")])
+    assert fields == [{"prediction": "7", "correct": True}, {}]
 
 
 def test_gsm_items_are_fixed_by_the_seed() -> None:

@@ -104,6 +104,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_sampling_args(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed of item i: seed + i")
     p.add_argument("--out", help="output directory (default bench-out/TASK or bench-out/quick)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="items our engine decodes at once (default 1: one at a time, for speed ratios)",
+    )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="grade the recorded texts in --out again and rewrite its summaries (no decoding)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_args(p)
 

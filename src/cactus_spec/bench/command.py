@@ -23,6 +23,7 @@ from cactus_spec.bench.grid import (
     parse_entry,
     parse_list,
 )
+from cactus_spec.bench.rescore import rescore
 from cactus_spec.bench.runner import BenchSettings, run_bench
 from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
@@ -96,6 +97,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         max_new_tokens=_given(args, "max_new_tokens"),
         seed=args.seed,
         backend=args.backend,
+        max_batch=args.max_batch,
     )
     return dataclasses.replace(settings, grid=_without_missing_peers(settings.grid))
 
@@ -134,7 +136,10 @@ def default_out(args: argparse.Namespace, settings: BenchSettings) -> Path:
 
 
 def main_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark the arguments describe; print summary.md at the end."""
+    """Run the benchmark the arguments describe (or re-grade one: --rescore); print
+    summary.md at the end."""
+    if args.rescore:
+        return _main_rescore(args)
     settings = settings_from_args(args)
     items = load_items(settings.task)
     _check_seeds(settings.seed, len(items))
@@ -150,4 +155,16 @@ def main_bench(args: argparse.Namespace) -> int:
     run_bench(settings, items, targets, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")
+    return 0
+
+
+def _main_rescore(args: argparse.Namespace) -> int:
+    """--rescore takes --out (and --no-progress) only: the run directory says the rest."""
+    if not args.out:
+        raise ValueError("--rescore needs --out, the directory of the run to grade again")
+    out = Path(args.out)
+    stderr.print(f"grading the recorded texts in {out} again ...")
+    rescore(out)
+    sys.stdout.write((out / "summary.md").read_text())
+    stderr.print(f"rewrote results.jsonl, summary.json, summary.md and plots in {out}")
     return 0

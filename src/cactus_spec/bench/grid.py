@@ -117,6 +117,17 @@ class Config:
             "verifier": self.verifier,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Config:
+        """The configuration ``as_dict`` describes (as a run directory records it)."""
+        return cls(
+            data["method"],
+            tuple(data["params"].items()),
+            data["num_draft_tokens"],
+            data["drafter"],
+            data["verifier"],
+        )
+
 
 def _format(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)

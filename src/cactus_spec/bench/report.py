@@ -60,6 +60,7 @@ SPEED_HEADER = (
     "KL nats/token",
     "KL nats/sequence",
     "peak memory (GB)",
+    "throughput tokens/s (batched)",
 )
 
 
@@ -91,6 +92,7 @@ def _speed_row(c: dict) -> list[str]:
         _num(c.get("kl_nats_per_token"), 4),
         _num(c.get("kl_nats_per_sequence"), 3),
         _num(c["peak_memory_bytes"] / 1e9),
+        _num(c.get("throughput_tokens_per_s")),
     ]
 
 
@@ -100,7 +102,9 @@ def speed_table(configs: Sequence[dict]) -> list[str]:
 
 
 def accuracy_table(configs: Sequence[dict]) -> list[str]:
-    """Accuracy with its Wilson interval, and the paired difference from the verifier."""
+    """Accuracy with its Wilson interval, the paired difference from the verifier, and, for
+    gsm, the same figures from the last number of the output (the fallback reading)."""
+    fallback = any("accuracy_fallback" in c for c in configs)
     header = [
         "method",
         "params",
@@ -110,19 +114,18 @@ def accuracy_table(configs: Sequence[dict]) -> list[str]:
         "accuracy [95% Wilson]",
         "difference vs AR [95% paired Newcombe]",
     ]
-    rows = [
-        [
-            c["method"],
-            _params(c),
-            _k(c),
-            _verifier(c),
-            f"{c['correct']} / {c['n']}",
-            _interval(c["accuracy"], 3),
-            _interval(c["difference_vs_ar"], 3),
-        ]
-        for c in configs
-        if c["n"]
-    ]
+    if fallback:
+        header += ["last number: accuracy [95% Wilson]", "last number: difference vs AR"]
+    rows = []
+    for c in (c for c in configs if c["n"]):
+        row = [c["method"], _params(c), _k(c), _verifier(c), f"{c['correct']} / {c['n']}"]
+        row += [_interval(c["accuracy"], 3), _interval(c["difference_vs_ar"], 3)]
+        if fallback:
+            row += [
+                _interval(c.get("accuracy_fallback"), 3),
+                _interval(c.get("difference_vs_ar_fallback"), 3),
+            ]
+        rows.append(row)
     return _table(header, rows)
 
 

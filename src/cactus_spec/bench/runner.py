@@ -3,13 +3,22 @@
 Items form the outer loop and configurations the inner one, in reverse order on odd
 items, so slow drift of the machine (thermal, background load) hits every configuration
 alike and cancels in the per-item speed ratios. Each (configuration, item) result is
-appended to results.jsonl as soon as it exists; a rerun skips those already there.
-Models are loaded once by the caller; each configuration gets its own decoder over them.
+appended to results.jsonl, scored (``grading``), as soon as it exists; a rerun skips those
+already there. Models are loaded once by the caller; each configuration gets its own
+decoder over them.
+
+With ``max_batch`` B > 1 (for throughput: quality runs over hundreds of items) the engine's
+configurations decode B items at once (``batch.decode_all``): items go in chunks of 2B,
+each chunk through every configuration in turn (reversed on odd chunks), so an interrupted
+run still holds every configuration on nearly the same items. Each row then records the
+speed of its own stream; each chunk's wall time and tokens go to batches.jsonl, from which
+the summary reports every configuration's throughput.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +34,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from cactus_spec.batch import Prompt, decode_all
 from cactus_spec.bench import memory
+from cactus_spec.bench.grading import grade
 from cactus_spec.bench.grid import LLAMACPP_METHODS, Config
 from cactus_spec.bench.llamacpp import LlamaCppPeers, gguf_of
 from cactus_spec.bench.peers import hf_generate
@@ -34,10 +45,11 @@ from cactus_spec.bench.provenance import environment, model_identity
 from cactus_spec.bench.report import write_markdown
 from cactus_spec.bench.store import RunDirectory
 from cactus_spec.bench.summary import summarise
-from cactus_spec.bench.tasks import Item, TaskSpec, extract_answer, is_correct
+from cactus_spec.bench.tasks import Item, TaskSpec
 from cactus_spec.divergence import quant_divergence
 from cactus_spec.engine import SpeculativeDecoder
 from cactus_spec.files import write_json_atomic
+from cactus_spec.generation import GenerationResult
 from cactus_spec.models import LoadedModel
 from cactus_spec.sampling import SamplingConfig
 
@@ -63,10 +75,13 @@ class BenchSettings:
     max_new_tokens: int = 256
     seed: int = 0
     backend: str = "auto"  # the model code of our engine (backends.load)
+    max_batch: int = 1  # items the engine decodes at once
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.max_batch, bool) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not self.grid:
             raise ValueError("the grid holds no configuration")
 
@@ -97,6 +112,7 @@ class BenchSettings:
         return {
             "task": task,
             "grid": [c.id for c in self.grid],
+            "configs": [c.as_dict() for c in self.grid],
             "sampling": asdict(self.sampling),
             "max_new_tokens": self.max_new_tokens,
             "seed": self.seed,
@@ -108,6 +124,7 @@ class BenchSettings:
             "setup": {
                 **{key: env[key] for key in ("device", "dtype", "threads")},
                 "backend": self.backend,
+                "max_batch": self.max_batch,
             },
         }
 
@@ -148,12 +165,13 @@ class Runner:
         self._prompt_ids: dict[str, list[int]] = {}
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
-        backend, target = self.settings.backend, self.targets[config.verifier]
+        target = self.targets[config.verifier]
+        options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
         if not config.drafts:
-            return SpeculativeDecoder(target, None, backend=backend)
+            return SpeculativeDecoder(target, None, **options)
         draft = self.draft if config.drafter == "model" else None
         k, drafter = config.num_draft_tokens, config.drafter
-        return SpeculativeDecoder(target, draft, config.rule(), k, drafter, backend=backend)
+        return SpeculativeDecoder(target, draft, config.rule(), k, drafter, **options)
 
     def _llamacpp(self) -> LlamaCppPeers | None:
         """llama.cpp contexts over the verifier's GGUF, if the grid has llama.cpp methods."""
@@ -177,7 +195,8 @@ class Runner:
 
     def run(self, items: Sequence[Item], store: RunDirectory, progress: bool = True) -> int:
         """Run every pending job, appending each result to ``store``; return how many ran."""
-        jobs = schedule(items, self.settings.grid, store.finished())
+        done = store.finished()
+        pending = len(schedule(items, self.settings.grid, done))
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
@@ -187,34 +206,86 @@ class Runner:
             TimeRemainingColumn(),
         )
         with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-            task = bar.add_task("bench", total=len(jobs))
-            for index, item, config in jobs:
-                bar.update(task, description=f"{config.label} | {item.id}")
-                store.append(self.run_one(index, item, config))
-                bar.advance(task)
-        return len(jobs)
+            task = bar.add_task("bench", total=pending)
+
+            def record(row: dict, label: str) -> None:
+                store.append(row)
+                bar.update(task, advance=1, description=f"{label} | {row['item']}")
+
+            if self.settings.max_batch == 1:
+                for index, item, config in schedule(items, self.settings.grid, done):
+                    bar.update(task, description=f"{config.label} | {item.id}")
+                    record(self.run_one(index, item, config), config.label)
+            else:
+                self._run_chunks(items, store, done, record)
+        return pending
+
+    def _run_chunks(self, items, store: RunDirectory, done, record) -> None:
+        """Batched mode (module docstring): chunks of 2B items through every configuration."""
+        size = 2 * self.settings.max_batch
+        for start in range(0, len(items), size):
+            chunk = list(enumerate(items))[start : start + size]
+            grid = self.settings.grid
+            for config in grid if (start // size) % 2 == 0 else list(reversed(grid)):
+                todo = [(i, item) for i, item in chunk if (config.id, item.id) not in done]
+                if not todo:
+                    continue
+                if not config.engine:
+                    for index, item in todo:
+                        record(self.run_one(index, item, config), config.label)
+                    continue
+                store.append_batch(self._run_batch(config, todo, record))
+
+    def _run_batch(self, config: Config, todo: list[tuple[int, Item]], record) -> dict:
+        """Decode ``todo`` with one engine configuration, B at a time; record each row as it
+        finishes; return the batch's record (items, tokens, wall time)."""
+        s = self.settings
+        prompts = [
+            Prompt(self.prompt_ids(item), s.max_new_tokens, s.item_seed(i)) for i, item in todo
+        ]
+        device = self.target.model.device
+        memory.reset_peak(device)
+        tokens = [0]
+
+        def finished(j: int, result) -> None:
+            index, item = todo[j]
+            tokens[0] += result.stats.new_tokens
+            measured, peak = _engine_measures(result), memory.peak_bytes(device)
+            record(self._row(index, item, config, measured, peak), config.label)
+
+        start = time.perf_counter()
+        k = config.num_draft_tokens if config.drafts else None
+        decoder = self.decoders[config.id]
+        decode_all(decoder, prompts, s.sampling, num_draft_tokens=k, on_result=finished)
+        return {
+            "config": config.id,
+            "items": [item.id for _, item in todo],
+            "new_tokens": tokens[0],
+            "wall_s": time.perf_counter() - start,
+            "max_batch": s.max_batch,
+        }
 
     def run_one(self, index: int, item: Item, config: Config) -> dict:
         """Generate for one item with one configuration and score it."""
         ids = self.prompt_ids(item)
-        seed = self.settings.item_seed(index)
         device = self.target.model.device
         memory.reset_peak(device)
-        measured = self._generate(config, ids, seed)
+        measured = self._generate(config, ids, self.settings.item_seed(index))
+        return self._row(index, item, config, measured, memory.peak_bytes(device))
+
+    def _row(self, index: int, item: Item, config: Config, measured: dict, peak: int) -> dict:
+        """The recorded result of one (configuration, item), with its score."""
         row = {
             "config": config.id,
             "item": item.id,
             "index": index,
-            "seed": seed,
+            "seed": self.settings.item_seed(index),
             "method": config.method,
-            "prompt_tokens": len(ids),
+            "prompt_tokens": len(self.prompt_ids(item)),
             **measured,
-            "peak_memory_bytes": memory.peak_bytes(device),
+            "peak_memory_bytes": peak,
         }
-        text = row.get("text")
-        if item.answer is not None and text is not None:
-            row |= {"prediction": extract_answer(text), "correct": is_correct(text, item.answer)}
-        return row
+        return row | grade(self.settings.task.name, [(item, row.get("text"))])[0]
 
     def _generate(self, config: Config, ids: list[int], seed: int) -> dict:
         """Token ids, text and statistics of one generation."""
@@ -231,7 +302,7 @@ class Runner:
             )
             if result.interrupted:  # the engine turns Ctrl-C into a partial result
                 raise KeyboardInterrupt
-            return {**result.stats.as_dict(), "token_ids": result.token_ids, "text": result.text}
+            return _engine_measures(result)
         if config.method in LLAMACPP_METHODS:
             peer = self.llamacpp.generate(config, ids, s.max_new_tokens, s.sampling, seed)
         else:
@@ -249,6 +320,11 @@ class Runner:
     def _decode(self, token_ids: list[int]) -> str | None:
         tokenizer = self.target.tokenizer
         return None if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _engine_measures(result: GenerationResult) -> dict:
+    """What a row records of one engine generation: statistics, token ids and text."""
+    return {**result.stats.as_dict(), "token_ids": result.token_ids, "text": result.text}
 
 
 def verifier_divergences(targets: Targets) -> dict[str, dict | None]:
@@ -292,7 +368,14 @@ def run_bench(
         "environment": environment(model.device, model.dtype),
         "verifier_divergence": divergences,
     }
-    summary = summarise(store.rows(), settings.grid, items, meta)
+    return write_summaries(store, settings.grid, items, meta)
+
+
+def write_summaries(
+    store: RunDirectory, grid: Sequence[Config], items: Sequence[Item], meta: dict
+) -> dict:
+    """summary.json, summary.md and the plots of a run directory, from its records."""
+    summary = summarise(store.rows(), grid, items, meta, store.batch_rows())
     write_json_atomic(store.path / "summary.json", summary)
     write_markdown(store.path / "summary.md", summary)
     write_plots(store.path, summary)

@@ -16,13 +16,16 @@ import os
 import tempfile
 from pathlib import Path
 
-from cactus_spec.files import write_json_atomic
+from cactus_spec.files import write_json_atomic, write_text_atomic
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
+#: Batched runs: one record per batch of items a configuration decoded together.
+BATCHES_FILE = "batches.jsonl"
 #: Identity keys that may differ between runs into one directory: the number of items,
-#: and where the prompt file lies (its sha256 is what must match).
-MUTABLE_KEYS = ("task.n", "task.path")
+#: where the prompt file lies (its sha256 is what must match), and the configurations'
+#: descriptions (their ids, under "grid", are compared and say everything they say).
+MUTABLE_KEYS = ("task.n", "task.path", "configs")
 
 
 class RunMismatchError(ValueError):
@@ -66,10 +69,12 @@ class RunDirectory:
     def __init__(self, path: str | Path, identity: dict) -> None:
         self.path = Path(path)
         self.results = self.path / RESULTS_FILE
+        self.batches = self.path / BATCHES_FILE
         self._check(identity)
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / RUN_FILE, identity)
-        self._end_last_line()
+        for log in (self.results, self.batches):
+            _end_last_line(log)
 
     def _check(self, identity: dict) -> None:
         """Refuse a directory that holds another run's results."""
@@ -93,33 +98,56 @@ class RunDirectory:
                 f"{', '.join(differ)}); use a new output directory, nothing was overwritten"
             )
 
-    def _end_last_line(self) -> None:
-        """After an interrupted write, start the next record on a line of its own."""
-        if self.results.exists() and self.results.stat().st_size:
-            with self.results.open("rb+") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
-
     def rows(self) -> list[dict]:
         """Every complete record in results.jsonl (a line cut short by a crash is skipped)."""
-        if not self.results.exists():
-            return []
-        rows = []
-        for line in self.results.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        return read_records(self.results)
+
+    def replace_rows(self, rows: list[dict]) -> None:
+        """Rewrite results.jsonl with ``rows``, atomically (a crash leaves the old file)."""
+        write_text_atomic(self.results, "".join(json.dumps(row) + "\n" for row in rows))
+
+    def batch_rows(self) -> list[dict]:
+        """Every complete record in batches.jsonl."""
+        return read_records(self.batches)
 
     def finished(self) -> set[tuple[str, str]]:
         """The (configuration id, item id) pairs already recorded."""
         return {(row["config"], row["item"]) for row in self.rows()}
 
     def append(self, row: dict) -> None:
-        """Add one record and flush it to disk before returning."""
-        with self.results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Add one result and flush it to disk before returning."""
+        append_record(self.results, row)
+
+    def append_batch(self, record: dict) -> None:
+        """Add one batch record (batched runs) and flush it to disk before returning."""
+        append_record(self.batches, record)
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line to ``path`` and flush it to disk before returning."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: Path) -> list[dict]:
+    """The complete JSON lines of ``path`` (a line cut short by a crash is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _end_last_line(path: Path) -> None:
+    """After an interrupted write, start the next record on a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with path.open("rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")

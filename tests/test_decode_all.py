@@ -1,0 +1,68 @@
+"""``batch.decode_all``: a list of prompts through the scheduler's rows, refilled as rows
+free up, gives each prompt the tokens it gives alone, hands each result over once, and
+stops on a failing callback."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_lm
+from test_engine import noisy_copy
+
+from cactus_spec.batch import Prompt, decode_all
+from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.rules import SpS
+from cactus_spec.sampling import SamplingConfig
+
+PROMPTS = [
+    Prompt([5, 17, 3, 99], 20, seed=1),
+    Prompt([8, 9], 9, seed=2),
+    Prompt([3] * 12 + [4], 25, seed=3),
+    Prompt([11, 12, 13], 6, seed=4),
+    Prompt([60, 61, 62, 63, 64], 14, seed=5),
+]
+SAMPLING = SamplingConfig(0.8, 0, 1.0)
+
+
+def decoder(batch: int) -> SpeculativeDecoder:
+    target = make_tiny_lm(seed=0)
+    return SpeculativeDecoder(target, noisy_copy(target, 0.4, seed=1), SpS(), 3, max_batch=batch)
+
+
+def test_more_prompts_than_rows_each_give_their_tokens_alone() -> None:
+    single = decoder(1)
+    expected = [
+        single.generate(p.ids, p.max_new_tokens, 0.8, 0, 1.0, seed=p.seed).token_ids
+        for p in PROMPTS
+    ]
+    seen: list[int] = []
+    results = decode_all(decoder(2), PROMPTS, SAMPLING, on_result=lambda i, _: seen.append(i))
+    assert [r.token_ids for r in results] == expected
+    assert sorted(seen) == list(range(len(PROMPTS)))
+    assert seen != list(range(len(PROMPTS)))  # short prompts finish first: rows were refilled
+
+
+def test_negative_control_other_seeds_give_other_tokens() -> None:
+    results = decode_all(decoder(2), PROMPTS, SAMPLING)
+    reseeded = [Prompt(p.ids, p.max_new_tokens, p.seed + 100) for p in PROMPTS]
+    others = decode_all(decoder(2), reseeded, SAMPLING)
+    assert [r.token_ids for r in results] != [r.token_ids for r in others]
+
+
+def test_autoregressive_rows_draft_nothing() -> None:
+    results = decode_all(decoder(3), PROMPTS, SAMPLING, rule=None)
+    assert all(r.stats.drafted == 0 and r.stats.new_tokens > 0 for r in results)
+
+
+def test_a_failing_callback_stops_the_run_and_is_raised() -> None:
+    def explode(index: int, _) -> None:
+        raise OSError(f"disk full at {index}")
+
+    with pytest.raises(OSError, match="disk full"):
+        decode_all(decoder(2), PROMPTS, SAMPLING, on_result=explode)
+
+
+def test_bad_input_is_refused_before_decoding() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        decode_all(decoder(1), [Prompt([1, 2], 4, seed=-1)], SAMPLING)
+    with pytest.raises(ValueError, match="context overflow"):
+        decode_all(decoder(1), [Prompt([1, 2], 10_000)], SAMPLING)
