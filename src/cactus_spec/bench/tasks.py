@@ -22,16 +22,19 @@ TASKS = ("gsm", "humaneval", "prompts")
 #: gsm problems when no number is given (the other tasks then run every item).
 GSM_DEFAULT_N = 50
 
+#: After the question (the coder models follow an instruction placed last more often, and
+#: answer in code or with \\boxed{} when the form is not asked for plainly).
 GSM_INSTRUCTION = (
-    "Solve the following problem step by step. "
-    'Finish with a line of the form "The answer is N." where N is a number.\n\n'
+    "\n\nSolve this problem step by step in plain text (no code). End your reply with a "
+    'final line of the form "The answer is N." where N is the number alone, without units '
+    "or LaTeX."
 )
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n"
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 #: "The answer is N", allowing markdown and LaTeX around N ("**The answer is $42$.**").
 _STATED = re.compile(
-    r"the (?:final )?answer is\s*:?\s*[*$\\{(]*\s*(?:\\boxed\{)?\s*\$?\s*"
+    r"the (?:final )?answer is\s*:?\s*[*$\\{(\[]*\s*(?:\\boxed\{)?\s*\$?\s*"
     r"(-?\d+(?:,\d{3})*(?:\.\d+)?)",
     re.IGNORECASE,
 )
@@ -82,7 +85,7 @@ def gsm_items(n: int, seed: int) -> list[Item]:
 
     data = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
     return [
-        Item(f"gsm_symbolic/{seed}/{i}", GSM_INSTRUCTION + row["question"], str(row["answer"]))
+        Item(f"gsm_symbolic/{seed}/{i}", row["question"] + GSM_INSTRUCTION, str(row["answer"]))
         for i, row in enumerate(data)
     ]
 

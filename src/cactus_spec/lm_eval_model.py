@@ -1,0 +1,596 @@
+"""The lm-evaluation-harness backend: ``--model cactus-spec`` evaluates our engine.
+
+``generate_until`` decodes through the engine (``batch.decode_all``: continuous batching
+over ``max_batch`` rows, each request with its own seed, sampling and stop strings).
+``loglikelihood`` and ``loglikelihood_rolling`` score with the verifier alone: speculation
+changes how tokens are produced, never the verifier's likelihoods.
+
+lm-eval 0.4.13 finds models only in its own registry (no entry points), so importing this
+module registers ``CactusSpecLM`` as ``cactus-spec``, and ``main(argv)`` runs lm-eval's own
+command line with it registered (``cactus-spec lm-eval run --model cactus-spec ...``).
+Only this module imports lm_eval, and only the command line's hook imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import lm_eval.models  # noqa: F401 - lm-eval's models first: it imports them only into an empty registry
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from cactus_spec.backends.load import BACKENDS
+from cactus_spec.backends.quant import QUANTS
+from cactus_spec.batch import Prompt, decode_all
+from cactus_spec.catalog import DEFAULT_PAIR
+from cactus_spec.engine import ModelSource, SpeculativeDecoder
+from cactus_spec.generation import GenerationResult
+from cactus_spec.methods import (
+    DEFAULT_METHOD,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    METHODS,
+    ParamValue,
+    build_rule,
+)
+from cactus_spec.models import LoadedModel, check_load_options
+from cactus_spec.sampling import MAX_SEED, SamplingConfig
+
+__all__ = ["CactusSpecLM", "main", "parse_gen_kwargs", "request_seed"]
+
+log = logging.getLogger(__name__)
+
+#: Rows decoded (and scored) at once unless ``max_batch`` says otherwise.
+DEFAULT_MAX_BATCH = 8
+#: Tokens generated when a task's gen_kwargs give no max_gen_toks (lm-eval's HFLM default).
+DEFAULT_MAX_GEN_TOKS = 256
+#: The gen_kwargs keys the engine honours; any other key is ignored with a warning.
+GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+#: Tokens scored per forward: bounds the float32 logits held at once ([SCORE_CHUNK, V]).
+SCORE_CHUNK = 256
+#: Every method parameter in the registry (delta, exact, epsilon, alpha, k, ...).
+METHOD_PARAMS = {p.name: p for method in METHODS.values() for p in method.params}
+_GREEDY = SamplingConfig(0.0, 0, 1.0)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """One scoring item: the verifier reads ``prefix`` then ``continuation[:-1]`` and scores
+    ``continuation``; ``key`` is what lm-eval's cache records (None: not recorded)."""
+
+    key: tuple | None
+    prefix: tuple[int, ...]
+    continuation: list[int]
+
+
+@register_model("cactus-spec")
+class CactusSpecLM(TemplateLM):
+    """An lm-eval model over ``SpeculativeDecoder``: ``generate_until`` decodes with the
+    method, ``loglikelihood`` and ``loglikelihood_rolling`` score with the verifier alone
+    (speculation never changes the verifier's likelihoods, so they are the method's too).
+
+    Model args (lm-eval's ``--model_args key=value,...``; strings are converted, a bad one
+    is a one-line ValueError naming it and its allowed values): ``target`` (default the
+    default pair's verifier), ``draft`` (default the default pair's draft, when the method
+    drafts with a model), ``method`` (``methods.METHODS``) and its parameters (delta, exact,
+    epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), ``max_batch``
+    (rows decoded and scored at once), ``max_length`` (the longest window the verifier
+    reads; default its cache's context length), ``backend``, ``verifier_quant``,
+    ``draft_quant``, ``dtype``, ``threads``, ``seed`` (request i is decoded with
+    ``request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu when CUDA is
+    absent); its ``batch_size`` and ``max_batch_size`` are ignored (``max_batch`` sets the
+    rows). ``target`` and ``draft`` may also be a ``LoadedModel`` or ``PreTrainedModel``.
+    """
+
+    def __init__(
+        self,
+        target: ModelSource = DEFAULT_PAIR[0],
+        draft: ModelSource | None = None,
+        method: str = DEFAULT_METHOD,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        drafter: str | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_length: int | None = None,
+        backend: str = "auto",
+        verifier_quant: str = "none",
+        draft_quant: str = "int8",
+        dtype: str | None = None,
+        threads: int | None = None,
+        seed: int = 0,
+        device: str | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        **method_params: Any,
+    ) -> None:
+        super().__init__()
+        method = _choice("method", method, tuple(METHODS))
+        rule = build_rule(method, _method_params(method_params))
+        drafter = _drafter(method, drafter)
+        self.num_draft_tokens = _integer("num_draft_tokens", num_draft_tokens, 1)
+        self.seed = _integer("seed", seed, 0, MAX_SEED)
+        max_batch = _integer("max_batch", max_batch, 1)
+        if max_length is not None:
+            _integer("max_length", max_length, 1)  # its upper bound needs the loaded model
+        dtype = None if dtype is None else str(dtype)
+        threads = None if threads is None else _integer("threads", threads, 1)
+        device = _device(device)
+        check_load_options(dtype, device, threads)
+        _ignore_batch_size(batch_size, max_batch_size)
+        target = _source("target", target)
+        draft_source = _draft_source(draft, rule is not None and drafter == "model")
+        self.decoder = SpeculativeDecoder(
+            target,
+            draft_source,
+            rule,
+            self.num_draft_tokens,
+            drafter,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            backend=_choice("backend", backend, BACKENDS),
+            draft_quant=_choice("draft_quant", draft_quant, QUANTS),
+            verifier_quant=_choice("verifier_quant", verifier_quant, QUANTS),
+            max_batch=max_batch,
+        )
+        if self.decoder.tokenizer is None:
+            raise ValueError("target must come with a tokenizer (a name, path or LoadedModel)")
+        self.tokenizer = self.decoder.tokenizer
+        self.rule = rule if self.decoder.drafter is not None else None
+        self._max_length = self._check_max_length(max_length)
+        self._device = self.decoder.target.device
+        self._info = {
+            "target": _describe(target),
+            "draft": _describe(draft_source),
+            "method": method,
+            "rule": repr(self.rule),
+            "num_draft_tokens": self.num_draft_tokens if self.rule is not None else 0,
+            "drafter": drafter if self.rule is not None else None,
+            "max_batch": max_batch,
+            "seed": self.seed,
+        }
+
+    def _check_max_length(self, max_length: object) -> int:
+        limit = self.decoder.target_backend.context_length
+        if max_length is None:
+            return limit
+        return _integer("max_length", max_length, 1, limit)
+
+    # --- what lm-eval reads ---------------------------------------------------------------
+
+    @property
+    def max_length(self) -> int:
+        """The longest token window the verifier reads (scoring and prompt + generation)."""
+        return self._max_length
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos is not None else min(self.decoder.target.eos_ids)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token that conditions an empty context: BOS, else EOS (as HFLM)."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "") or "cactus-spec").replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What decoded: recorded under ``config`` in lm-eval's results."""
+        return {"cactus_spec": dict(self._info)}
+
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
+    ) -> list[int]:
+        """Text -> ids as ``decoder.encode(text, chat=False)``: no special tokens added unless
+        ``add_special_tokens`` is True (so scoring and generation see the same ids)."""
+        return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens)).input_ids)
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat as text through the tokenizer's template (lm-eval's --apply_chat_template);
+        a template that refuses a system turn gets the chat without it, as HFLM does."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("--apply_chat_template needs a tokenizer with a chat template")
+        options = {
+            "tokenize": False,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": not add_generation_prompt,
+        }
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **options)
+        except jinja2.exceptions.TemplateError:
+            log.warning("the chat template failed; applying it without the system turn")
+            chat = [m for m in chat_history if m["role"] != "system"]
+            return self.tokenizer.apply_chat_template(chat, **options)
+
+    # --- generation -----------------------------------------------------------------------
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Decode every request (context, gen_kwargs) through the engine, ``max_batch`` rows at
+        a time, request i with seed ``request_seed(seed, i)``; the text cut before the first
+        stop string of ``until``. Greedy when do_sample is false or temperature is 0."""
+        jobs = [self._job(i, *request.args) for i, request in enumerate(requests)]
+        texts: list[str] = [""] * len(requests)
+        groups: dict[SamplingConfig, list[int]] = {}
+        for i, (_, sampling) in enumerate(jobs):
+            groups.setdefault(sampling, []).append(i)
+        with tqdm(total=len(jobs), disable=disable_tqdm, desc="cactus-spec generate") as bar:
+            for sampling, indices in groups.items():
+
+                def done(j: int, result: GenerationResult, indices: list[int] = indices) -> None:
+                    i = indices[j]
+                    texts[i] = result.text or ""
+                    self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
+                    bar.update(1)
+
+                prompts = [jobs[i][0] for i in indices]
+                k = self.num_draft_tokens if self.rule is not None else None
+                decode_all(
+                    self.decoder,
+                    prompts,
+                    sampling,
+                    rule=self.rule,
+                    num_draft_tokens=k,
+                    on_result=done,
+                )
+        return texts
+
+    def _job(self, index: int, context: str, gen_kwargs: dict) -> tuple[Prompt, SamplingConfig]:
+        """The prompt (ids, budget, seed, stops) and the sampling of one request."""
+        sampling, max_new, until = parse_gen_kwargs(gen_kwargs)
+        ids = self._fit_prompt(self._encode_prompt(context), max_new)
+        return Prompt(ids, max_new, request_seed(self.seed, index), until), sampling
+
+    def _encode_prompt(self, context: str) -> list[int]:
+        if not context.strip():  # nothing to read: condition on BOS/EOS, as scoring does
+            return [self.prefix_token_id]
+        return self.decoder.encode(context, chat=False)
+
+    def _fit_prompt(self, ids: list[int], max_new: int) -> list[int]:
+        """``ids`` cut from the left so prompt + max_new (+ K drafts) fit the window."""
+        drafts = self.num_draft_tokens if self.rule is not None else 0
+        window = min(self.max_length, self.decoder.target_backend.context_length - drafts)
+        room = window - max_new
+        if room < 1:
+            raise ValueError(
+                f"max_gen_toks ({max_new}) leaves no room for a prompt in the verifier's "
+                f"window of {window} tokens"
+            )
+        if len(ids) > room:
+            log.warning("prompt of %d tokens cut to its last %d", len(ids), room)
+            return ids[-room:]
+        return ids
+
+    # --- scoring --------------------------------------------------------------------------
+
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
+        """log P(text) under the verifier, each token predicted once, in disjoint windows of
+        ``max_length`` tokens after BOS/EOS (lm-eval's rolling windows, as HFLM)."""
+        windows: list[_Window] = []
+        owners: list[int] = []
+        for i, request in enumerate(requests):
+            (text,) = request.args
+            tokens = self.tok_encode(text)
+            pairs = get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1)
+            for context, continuation in map(make_disjoint_window, pairs):
+                windows.append(self._window(None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._score(windows, disable_tqdm), strict=True):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
+        disable_tqdm: bool = False,
+        **kwargs: Any,
+    ) -> list[tuple[float, bool]]:
+        """(log P(continuation | context), whether it is the verifier's greedy path) for
+        each (key, context ids, continuation ids): the verifier alone, since speculation
+        never changes its likelihoods."""
+        windows = [self._window(key, ctx, cont) for key, ctx, cont in requests]
+        return self._score(windows, disable_tqdm)
+
+    def _window(self, key, context: list[int], continuation: list[int]) -> _Window:
+        """The verifier reads (context + continuation)[:-1], cut from the left to
+        ``max_length`` tokens (as HFLM), and scores its last len(continuation) positions."""
+        count = len(continuation)
+        if count > self.max_length:
+            raise ValueError(
+                f"a continuation of {count} tokens exceeds max_length {self.max_length}"
+            )
+        fed = (context + continuation)[-(self.max_length + 1) :][:-1]
+        if len(context) + count - 1 > self.max_length:
+            log.warning("scoring window cut to the last %d tokens", self.max_length)
+        return _Window(key, tuple(fed[: len(fed) - count + 1]), continuation)
+
+    def _score(self, windows: list[_Window], disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """Score every window; windows with the same prefix share one prefill (a row reads
+        the prefix once, then each continuation after rolling back to it)."""
+        out: list[tuple[float, bool] | None] = [None] * len(windows)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, window in enumerate(windows):
+            if window.continuation:
+                groups.setdefault(window.prefix, []).append(i)
+            else:
+                out[i] = (0.0, True)  # an empty continuation has probability 1
+        items = list(groups.items())
+        rows = self.decoder.target_backend.slots
+        with tqdm(total=len(windows), disable=disable_tqdm, desc="cactus-spec score") as bar:
+            for start in range(0, len(items), rows):
+                for i, scored in self._score_rows(items[start : start + rows], windows):
+                    out[i] = scored
+                    if windows[i].key is not None:
+                        self.cache_hook.add_partial("loglikelihood", windows[i].key, scored)
+                    bar.update(1)
+        return out  # type: ignore[return-value]  # every slot is filled
+
+    def _score_rows(
+        self, batch: list[tuple[tuple[int, ...], list[int]]], windows: list[_Window]
+    ) -> Iterator[tuple[int, tuple[float, bool]]]:
+        """Prefixes in rows 0..len(batch)-1, one pass; then the j-th continuation of every
+        row, after rolling back to its prefix, in passes of at most ``SCORE_CHUNK`` tokens.
+        Yields (window index, (logprob, is_greedy))."""
+        backend = self.decoder.target_backend
+        rows = list(range(len(batch)))
+        for row in rows:
+            backend.reset(row)
+        prefixes = [list(prefix) for prefix, _ in batch]
+        last = backend.append_ragged(prefixes, rows, last_only=True)  # b x [1, V]
+        for j in range(max(len(members) for _, members in batch)):
+            active = [r for r in rows if j < len(batch[r][1])]
+            conts = {r: windows[batch[r][1][j]].continuation for r in active}
+            scores = {r: self._logprob(last[r], conts[r][:1]) for r in active}
+            for r in active:
+                backend.rollback(len(prefixes[r]), r)
+            for at in range(0, max(len(c) for c in conts.values()) - 1, SCORE_CHUNK):
+                fed = [r for r in active if at < len(conts[r]) - 1]
+                pieces = [conts[r][at : min(at + SCORE_CHUNK, len(conts[r]) - 1)] for r in fed]
+                logits = backend.append_ragged(pieces, fed)  # each [len(piece), V]
+                for r, piece, piece_logits in zip(fed, pieces, logits, strict=True):
+                    more = self._logprob(piece_logits, conts[r][at + 1 : at + 1 + len(piece)])
+                    scores[r] = (scores[r][0] + more[0], scores[r][1] and more[1])
+            for r in active:
+                yield batch[r][1][j], scores[r]
+
+    def _logprob(self, logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+        """logits [n, V'] at the n positions that predict ``continuation`` -> (sum of
+        log_softmax at its tokens, all of them argmax), over the engine's V = vocab_size."""
+        logits = logits[:, : self.decoder.vocab_size].float()  # [n, V]
+        tokens = torch.tensor(continuation, device=logits.device)  # [n]
+        logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])  # [n, 1]
+        return float(logprobs.sum()), bool((logits.argmax(-1) == tokens).all())
+
+
+# --- model args ---------------------------------------------------------------------------
+
+
+def _bad(name: str, allowed: str, value: object) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _integer(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` (an int, an integral float or its text) as an int in [low, high]."""
+    number = _as_int(value)
+    if number is None or number < low or (high is not None and number > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise _bad(name, allowed, value)
+    return number
+
+
+def _as_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
+def _number(name: str, value: object, allowed: str) -> float:
+    try:
+        number = float(str(value)) if not isinstance(value, bool) else math.nan
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise _bad(name, allowed, value)
+    return number
+
+
+def _flag(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false", "1", "0"):
+        raise _bad(name, "true or false", value)
+    return text in ("true", "1")
+
+
+def _choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise _bad(name, f"one of {', '.join(choices)}", value)
+    return str(value)
+
+
+def _method_params(given: dict[str, Any]) -> dict[str, ParamValue | None]:
+    """Method parameters (delta, exact, ...) converted to their registry types; an unknown
+    model arg is a ValueError listing the ones that exist."""
+    params: dict[str, ParamValue | None] = {}
+    for name, value in given.items():
+        if name not in METHOD_PARAMS:
+            known = sorted({*_MODEL_ARGS, *METHOD_PARAMS})
+            raise ValueError(f"unknown model arg {name!r}; model args: {', '.join(known)}")
+        param = METHOD_PARAMS[name]
+        if value is None:
+            params[name] = None
+        elif isinstance(param.default, bool):
+            params[name] = _flag(name, value)
+        elif isinstance(param.default, int):  # its range is the rule's to check
+            number = _as_int(value)
+            if number is None:
+                raise _bad(name, f"an integer {param.allowed}", value)
+            params[name] = number
+        else:
+            params[name] = _number(name, value, f"a number {param.allowed}")
+    return params
+
+
+_MODEL_ARGS = (
+    "target", "draft", "method", "num_draft_tokens", "drafter", "max_batch", "max_length",
+    "backend", "verifier_quant", "draft_quant", "dtype", "threads", "seed",
+)  # fmt: skip
+
+
+def _drafter(method: str, drafter: object) -> str:
+    """The drafter for ``method``: model (default) or ngram; none applies to ``ar``."""
+    if drafter is None:
+        return "model"
+    if not METHODS[method].drafts:
+        raise ValueError(f"drafter does not apply to method {method} (no drafting)")
+    return _choice("drafter", drafter, ("model", "ngram"))
+
+
+def _source(name: str, value: object) -> ModelSource:
+    """A model name/path as text (lm-eval may have turned it into a number), or a model."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, bool) or value is None or (isinstance(value, str) and not value):
+        raise _bad(name, "a model name, path or hub id", value)
+    return value  # type: ignore[return-value]  # SpeculativeDecoder checks the rest
+
+
+def _draft_source(draft: object, needed: bool) -> ModelSource | None:
+    """The draft model to load: the given one (default: the default pair's draft), or None
+    when nothing is drafted by a model (method ar, drafter ngram)."""
+    if not needed:
+        if draft is not None:
+            log.info("model arg draft is not used: nothing is drafted by a model")
+        return None
+    return DEFAULT_PAIR[1] if draft is None else _source("draft", draft)
+
+
+def _device(device: object) -> str:
+    """lm-eval's --device (it defaults to cuda:0): cpu when none is given or CUDA is absent."""
+    if device is None:
+        return "cpu"
+    name = str(device)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %s: CUDA is not available, running on cpu", name)
+        return "cpu"
+    return name
+
+
+def _ignore_batch_size(batch_size: object, max_batch_size: object) -> None:
+    if batch_size not in (None, 1, "1") or max_batch_size is not None:
+        log.info("lm-eval's batch sizes are ignored: model arg max_batch sets the rows")
+
+
+def _describe(source: object) -> str | None:
+    if source is None or isinstance(source, str):
+        return source
+    if isinstance(source, LoadedModel):
+        return source.identity
+    return type(source).__name__
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th request of a run with model arg ``seed``: the first 8
+    bytes of sha256("seed:index"), so requests (and runs with other seeds) draw apart."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def parse_gen_kwargs(gen_kwargs: dict) -> tuple[SamplingConfig, int, tuple[str, ...]]:
+    """lm-eval's gen_kwargs -> (sampling, max new tokens, stop strings).
+
+    Greedy when do_sample is false or temperature is 0; otherwise temperature (1 when only
+    do_sample is given), top_k (0 = off) and top_p (1 = off) as given, nothing else
+    (no hidden top-k). Keys other than ``GEN_KWARGS`` are ignored with a warning."""
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+    ignored = tuple(sorted(set(kwargs) - set(GEN_KWARGS)))
+    if ignored:
+        _warn_ignored(ignored)
+    max_new = kwargs["max_gen_toks"]
+    if max_new < 1:
+        raise ValueError(f"gen_kwargs max_gen_toks must be >= 1, got {max_new}")
+    until = tuple(str(s) for s in kwargs["until"] if s)
+    temperature = kwargs.get("temperature")
+    if not kwargs["do_sample"] or temperature == 0:
+        return _GREEDY, max_new, until
+    top_k = _as_int(kwargs.get("top_k", 0))
+    if top_k is None:
+        raise ValueError(f"gen_kwargs top_k must be an integer >= 0, got {kwargs['top_k']!r}")
+    top_p = kwargs.get("top_p")
+    sampling = SamplingConfig(
+        1.0 if temperature is None else float(temperature),
+        top_k,
+        1.0 if top_p is None else float(top_p),
+    )
+    return sampling, max_new, until
+
+
+@functools.cache
+def _warn_ignored(keys: tuple[str, ...]) -> None:
+    log.warning("gen_kwargs %s are not supported by cactus-spec and are ignored", keys)
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """lm-eval's own command line (``run``, ``ls``, ``validate``; ``run`` is implied as in
+    ``lm-eval``) with ``--model cactus-spec`` registered; returns the exit status."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]  # HarnessCLI reads sys.argv (it inserts the implied `run`)
+    try:
+        cli = HarnessCLI()
+        cli.execute(cli.parse_args())
+    except SystemExit as stop:  # argparse: --help, usage errors
+        return _exit_status(stop.code)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _exit_status(code: object) -> int:
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
