@@ -6,6 +6,7 @@ import pytest
 
 from cactus_spec.bench.bound import iid_speedup_bound, measured_bound
 from cactus_spec.bench.stats import median_spread, paired_difference, wilson
+from cactus_spec.bench.summary import claim_check
 
 
 def table(both: int, only_a: int, only_b: int, neither: int) -> tuple[list[bool], list[bool]]:
@@ -79,3 +80,31 @@ def test_note_says_hf_rows_ran_packed_bf16_layers() -> None:
     assert any("repacked" in note for note in _notes(grid, "ar", meta))
     meta["run"]["setup"]["backend"] = "hf"  # transformers runs the model: nothing repacked
     assert not any("repacked" in note for note in _notes(grid, "ar", meta))
+
+
+def _config(cid: str, method: str, accepted: float | None, accuracy: float) -> dict:
+    return {
+        "id": cid,
+        "method": method,
+        "num_draft_tokens": 0 if accepted is None else 10,
+        "drafter": None if accepted is None else "model",
+        "verifier": "none",
+        "mean_accepted": accepted,
+        "accuracy": [accuracy, accuracy - 0.1, accuracy + 0.1],
+    }
+
+
+def test_the_claim_holds_only_with_both_more_acceptance_and_quality_inside() -> None:
+    configs = [
+        _config("ar", "ar", None, 0.60),
+        _config("sps", "sps", 5.0, 0.62),
+        _config("cactus", "cactus", 7.5, 0.55),  # 1.5x SpS, inside [0.5, 0.7]: holds
+        _config("tas", "tas", 8.0, 0.45),  # 1.6x SpS, outside: does not hold
+        _config("interp", "interp", 6.0, 0.60),  # inside, but only 1.2x SpS
+    ]
+    found = {x["id"]: x for x in claim_check(configs, "ar")}
+    assert set(found) == {"cactus", "tas", "interp"}  # not ar, not SpS itself
+    assert found["cactus"]["holds"] and found["cactus"]["gain_over_sps"] == 1.5
+    assert found["tas"]["inside"] is False and not found["tas"]["holds"]
+    assert found["interp"]["inside"] and not found["interp"]["holds"]
+    assert claim_check(configs, None) == []

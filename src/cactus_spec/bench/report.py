@@ -129,6 +129,26 @@ def accuracy_table(configs: Sequence[dict]) -> list[str]:
     return _table(header, rows)
 
 
+def claim_table(summary: dict) -> list[str]:
+    """The paper's claim, method by method: accepted length over SpS's, and whether the
+    accuracy stays inside the verifier's 95% interval."""
+    labels = {c["id"]: c["label"] for c in summary["configs"]}
+    header = ["configuration", "mean accepted / SpS's", "accuracy", "verifier's 95% interval"]
+    header += ["inside", ">= 40% more and inside"]
+    rows = [
+        [
+            labels[x["id"]],
+            f"{x['gain_over_sps']:.2f}x",
+            f"{x['accuracy']:.3f}",
+            f"[{x['verifier_interval'][0]:.3f}, {x['verifier_interval'][1]:.3f}]",
+            "yes" if x["inside"] else "no",
+            "yes" if x["holds"] else "no",
+        ]
+        for x in summary["claim"]
+    ]
+    return _table(header, rows)
+
+
 def position_table(configs: Sequence[dict]) -> list[str]:
     """Acceptance rate at each draft position (given the chain reached it)."""
     drafting = [c for c in configs if c.get("acceptance_by_position")]
@@ -183,6 +203,8 @@ def render(summary: dict) -> str:
     lines += ["", "## Speed, acceptance and divergence", "", *speed_table(configs)]
     if summary["scored"]:
         lines += ["", "## Accuracy", "", *accuracy_table(configs)]
+    if summary.get("claim"):
+        lines += ["", "## More accepted, same quality?", "", *claim_table(summary)]
     lines += ["", "## Acceptance rate by draft position", "", *position_table(configs)]
     lines += ["", "## Notes", ""] + [f"- {note}" for note in summary["notes"] + _legend()]
     return "\n".join(lines) + "\n"

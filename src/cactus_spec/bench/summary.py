@@ -154,17 +154,56 @@ def summarise(
     reference = next((c.id for c in grid if c.method == "ar"), None)
     ar = by_config[reference] if reference else None
     scored = any("correct" in row for rows in by_config.values() for row in rows.values())
+    configs = [
+        summarise_config(c, by_config[c.id], ar, scored) | _throughput(c, batches, wanted)
+        for c in grid
+    ]
     return {
         **meta,
         "n_items": len(items),
         "scored": scored,
         "reference": reference,
-        "configs": [
-            summarise_config(c, by_config[c.id], ar, scored) | _throughput(c, batches, wanted)
-            for c in grid
-        ],
+        "configs": configs,
+        "claim": claim_check(configs, reference) if scored else [],
         "notes": _notes(grid, reference, meta),
     }
+
+
+#: The paper's claim: this much more accepted per iteration than SpS, at the verifier's quality.
+CLAIM_GAIN = 1.4
+
+
+def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
+    """For each lossy method on the dense verifier: its mean accepted length over SpS's (same
+    K and drafter), and whether its accuracy lies inside the verifier's 95% Wilson interval;
+    ``holds``: both at once (at least ``CLAIM_GAIN`` times SpS, and inside)."""
+    ar = next((c for c in configs if c["id"] == reference and c.get("accuracy")), None)
+    if ar is None:
+        return []
+    sps = {
+        (c["num_draft_tokens"], c["drafter"], c["verifier"]): c
+        for c in configs
+        if c["method"] == "sps" and c.get("mean_accepted")
+    }
+    found = []
+    for c in configs:
+        base = sps.get((c["num_draft_tokens"], c["drafter"], c["verifier"]))
+        lossy = c["method"] not in ("ar", "sps") and c.get("mean_accepted") and c.get("accuracy")
+        if not lossy or base is None or c["verifier"] != ar["verifier"]:
+            continue
+        gain = c["mean_accepted"] / base["mean_accepted"]
+        inside = ar["accuracy"][1] <= c["accuracy"][0] <= ar["accuracy"][2]
+        found.append(
+            {
+                "id": c["id"],
+                "gain_over_sps": gain,
+                "accuracy": c["accuracy"][0],
+                "verifier_interval": ar["accuracy"][1:],
+                "inside": inside,
+                "holds": gain >= CLAIM_GAIN and inside,
+            }
+        )
+    return found
 
 
 def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = None) -> list[str]:
