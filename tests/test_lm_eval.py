@@ -178,7 +178,7 @@ def test_the_command_line_runs_ar_by_name_and_agrees(
 def test_sampled_requests_are_the_engines_with_derived_seeds(offline, sps_lm) -> None:
     from lm_eval.api.instance import Instance
 
-    from cactus_spec.lm_eval_model import request_seed
+    from cactus_spec.lm_eval_args import request_seed
 
     contexts = ["Once upon a time", "The weather today is", "Once upon a time"]
     kwargs = {"until": ["\n"], "max_gen_toks": 6, "do_sample": True, "temperature": 0.8}

@@ -8,15 +8,13 @@ changes how tokens are produced, never the verifier's likelihoods.
 lm-eval 0.4.13 finds models only in its own registry (no entry points), so importing this
 module registers ``CactusSpecLM`` as ``cactus-spec``, and ``main(argv)`` runs lm-eval's own
 command line with it registered (``cactus-spec lm-eval run --model cactus-spec ...``).
-Only this module imports lm_eval, and only the command line's hook imports this module.
+Only this module and ``lm_eval_args`` (model args and gen_kwargs) import lm_eval, and only
+the command line's hook imports this module.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import math
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,10 +26,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from cactus_spec import lm_eval_args
 from cactus_spec.backends.load import BACKENDS
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.batch import Prompt, decode_all
@@ -42,27 +40,19 @@ from cactus_spec.methods import (
     DEFAULT_METHOD,
     DEFAULT_NUM_DRAFT_TOKENS,
     METHODS,
-    ParamValue,
     build_rule,
 )
-from cactus_spec.models import LoadedModel, check_load_options
+from cactus_spec.models import check_load_options
 from cactus_spec.sampling import MAX_SEED, SamplingConfig
 
-__all__ = ["CactusSpecLM", "main", "parse_gen_kwargs", "request_seed"]
+__all__ = ["CactusSpecLM", "main"]
 
 log = logging.getLogger(__name__)
 
 #: Rows decoded (and scored) at once unless ``max_batch`` says otherwise.
 DEFAULT_MAX_BATCH = 8
-#: Tokens generated when a task's gen_kwargs give no max_gen_toks (lm-eval's HFLM default).
-DEFAULT_MAX_GEN_TOKS = 256
-#: The gen_kwargs keys the engine honours; any other key is ignored with a warning.
-GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 #: Tokens scored per forward: bounds the float32 logits held at once ([SCORE_CHUNK, V]).
 SCORE_CHUNK = 256
-#: Every method parameter in the registry (delta, exact, epsilon, alpha, k, ...).
-METHOD_PARAMS = {p.name: p for method in METHODS.values() for p in method.params}
-_GREEDY = SamplingConfig(0.0, 0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -89,9 +79,10 @@ class CactusSpecLM(TemplateLM):
     (rows decoded and scored at once), ``max_length`` (the longest window the verifier
     reads; default its cache's context length), ``backend``, ``verifier_quant``,
     ``draft_quant``, ``dtype``, ``threads``, ``seed`` (request i is decoded with
-    ``request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu when CUDA is
-    absent); its ``batch_size`` and ``max_batch_size`` are ignored (``max_batch`` sets the
-    rows). ``target`` and ``draft`` may also be a ``LoadedModel`` or ``PreTrainedModel``.
+    ``lm_eval_args.request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu
+    when CUDA is absent); its ``batch_size`` and ``max_batch_size`` are ignored
+    (``max_batch`` sets the rows). ``target`` and ``draft`` may also be a ``LoadedModel``
+    or ``PreTrainedModel``.
     """
 
     def __init__(
@@ -115,21 +106,23 @@ class CactusSpecLM(TemplateLM):
         **method_params: Any,
     ) -> None:
         super().__init__()
-        method = _choice("method", method, tuple(METHODS))
-        rule = build_rule(method, _method_params(method_params))
-        drafter = _drafter(method, drafter)
-        self.num_draft_tokens = _integer("num_draft_tokens", num_draft_tokens, 1)
-        self.seed = _integer("seed", seed, 0, MAX_SEED)
-        max_batch = _integer("max_batch", max_batch, 1)
+        method = lm_eval_args.choice("method", method, tuple(METHODS))
+        rule = build_rule(method, lm_eval_args.method_params(method_params))
+        drafter = lm_eval_args.drafter_for(method, drafter)
+        self.num_draft_tokens = lm_eval_args.integer("num_draft_tokens", num_draft_tokens, 1)
+        self.seed = lm_eval_args.integer("seed", seed, 0, MAX_SEED)
+        max_batch = lm_eval_args.integer("max_batch", max_batch, 1)
         if max_length is not None:
-            _integer("max_length", max_length, 1)  # its upper bound needs the loaded model
+            lm_eval_args.integer(
+                "max_length", max_length, 1
+            )  # its upper bound needs the loaded model
         dtype = None if dtype is None else str(dtype)
-        threads = None if threads is None else _integer("threads", threads, 1)
-        device = _device(device)
+        threads = None if threads is None else lm_eval_args.integer("threads", threads, 1)
+        device = lm_eval_args.device_for(device)
         check_load_options(dtype, device, threads)
-        _ignore_batch_size(batch_size, max_batch_size)
-        target = _source("target", target)
-        draft_source = _draft_source(draft, rule is not None and drafter == "model")
+        lm_eval_args.ignore_batch_size(batch_size, max_batch_size)
+        target = lm_eval_args.model_source("target", target)
+        draft_source = lm_eval_args.draft_source(draft, rule is not None and drafter == "model")
         self.decoder = SpeculativeDecoder(
             target,
             draft_source,
@@ -139,9 +132,9 @@ class CactusSpecLM(TemplateLM):
             dtype=dtype,
             device=device,
             threads=threads,
-            backend=_choice("backend", backend, BACKENDS),
-            draft_quant=_choice("draft_quant", draft_quant, QUANTS),
-            verifier_quant=_choice("verifier_quant", verifier_quant, QUANTS),
+            backend=lm_eval_args.choice("backend", backend, BACKENDS),
+            draft_quant=lm_eval_args.choice("draft_quant", draft_quant, QUANTS),
+            verifier_quant=lm_eval_args.choice("verifier_quant", verifier_quant, QUANTS),
             max_batch=max_batch,
         )
         if self.decoder.tokenizer is None:
@@ -151,8 +144,8 @@ class CactusSpecLM(TemplateLM):
         self._max_length = self._check_max_length(max_length)
         self._device = self.decoder.target.device
         self._info = {
-            "target": _describe(target),
-            "draft": _describe(draft_source),
+            "target": lm_eval_args.describe(target),
+            "draft": lm_eval_args.describe(draft_source),
             "method": method,
             "rule": repr(self.rule),
             "num_draft_tokens": self.num_draft_tokens if self.rule is not None else 0,
@@ -165,7 +158,7 @@ class CactusSpecLM(TemplateLM):
         limit = self.decoder.target_backend.context_length
         if max_length is None:
             return limit
-        return _integer("max_length", max_length, 1, limit)
+        return lm_eval_args.integer("max_length", max_length, 1, limit)
 
     # --- what lm-eval reads ---------------------------------------------------------------
 
@@ -223,8 +216,9 @@ class CactusSpecLM(TemplateLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Decode every request (context, gen_kwargs) through the engine, ``max_batch`` rows at
-        a time, request i with seed ``request_seed(seed, i)``; the text cut before the first
-        stop string of ``until``. Greedy when do_sample is false or temperature is 0."""
+        a time, request i with seed ``request_seed(seed, i)`` (``lm_eval_args``); the text cut
+        before the first stop string of ``until``. Greedy when do_sample is false or the
+        temperature is 0."""
         jobs = [self._job(i, *request.args) for i, request in enumerate(requests)]
         texts: list[str] = [""] * len(requests)
         groups: dict[SamplingConfig, list[int]] = {}
@@ -253,9 +247,9 @@ class CactusSpecLM(TemplateLM):
 
     def _job(self, index: int, context: str, gen_kwargs: dict) -> tuple[Prompt, SamplingConfig]:
         """The prompt (ids, budget, seed, stops) and the sampling of one request."""
-        sampling, max_new, until = parse_gen_kwargs(gen_kwargs)
+        sampling, max_new, until = lm_eval_args.parse_gen_kwargs(gen_kwargs)
         ids = self._fit_prompt(self._encode_prompt(context), max_new)
-        return Prompt(ids, max_new, request_seed(self.seed, index), until), sampling
+        return Prompt(ids, max_new, lm_eval_args.request_seed(self.seed, index), until), sampling
 
     def _encode_prompt(self, context: str) -> list[int]:
         if not context.strip():  # nothing to read: condition on BOS/EOS, as scoring does
@@ -381,185 +375,6 @@ class CactusSpecLM(TemplateLM):
         tokens = torch.tensor(continuation, device=logits.device)  # [n]
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])  # [n, 1]
         return float(logprobs.sum()), bool((logits.argmax(-1) == tokens).all())
-
-
-# --- model args ---------------------------------------------------------------------------
-
-
-def _bad(name: str, allowed: str, value: object) -> ValueError:
-    return ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _integer(name: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` (an int, an integral float or its text) as an int in [low, high]."""
-    number = _as_int(value)
-    if number is None or number < low or (high is not None and number > high):
-        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise _bad(name, allowed, value)
-    return number
-
-
-def _as_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        return None
-
-
-def _number(name: str, value: object, allowed: str) -> float:
-    try:
-        number = float(str(value)) if not isinstance(value, bool) else math.nan
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise _bad(name, allowed, value)
-    return number
-
-
-def _flag(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text not in ("true", "false", "1", "0"):
-        raise _bad(name, "true or false", value)
-    return text in ("true", "1")
-
-
-def _choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise _bad(name, f"one of {', '.join(choices)}", value)
-    return str(value)
-
-
-def _method_params(given: dict[str, Any]) -> dict[str, ParamValue | None]:
-    """Method parameters (delta, exact, ...) converted to their registry types; an unknown
-    model arg is a ValueError listing the ones that exist."""
-    params: dict[str, ParamValue | None] = {}
-    for name, value in given.items():
-        if name not in METHOD_PARAMS:
-            known = sorted({*_MODEL_ARGS, *METHOD_PARAMS})
-            raise ValueError(f"unknown model arg {name!r}; model args: {', '.join(known)}")
-        param = METHOD_PARAMS[name]
-        if value is None:
-            params[name] = None
-        elif isinstance(param.default, bool):
-            params[name] = _flag(name, value)
-        elif isinstance(param.default, int):  # its range is the rule's to check
-            number = _as_int(value)
-            if number is None:
-                raise _bad(name, f"an integer {param.allowed}", value)
-            params[name] = number
-        else:
-            params[name] = _number(name, value, f"a number {param.allowed}")
-    return params
-
-
-_MODEL_ARGS = (
-    "target", "draft", "method", "num_draft_tokens", "drafter", "max_batch", "max_length",
-    "backend", "verifier_quant", "draft_quant", "dtype", "threads", "seed",
-)  # fmt: skip
-
-
-def _drafter(method: str, drafter: object) -> str:
-    """The drafter for ``method``: model (default) or ngram; none applies to ``ar``."""
-    if drafter is None:
-        return "model"
-    if not METHODS[method].drafts:
-        raise ValueError(f"drafter does not apply to method {method} (no drafting)")
-    return _choice("drafter", drafter, ("model", "ngram"))
-
-
-def _source(name: str, value: object) -> ModelSource:
-    """A model name/path as text (lm-eval may have turned it into a number), or a model."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, bool) or value is None or (isinstance(value, str) and not value):
-        raise _bad(name, "a model name, path or hub id", value)
-    return value  # type: ignore[return-value]  # SpeculativeDecoder checks the rest
-
-
-def _draft_source(draft: object, needed: bool) -> ModelSource | None:
-    """The draft model to load: the given one (default: the default pair's draft), or None
-    when nothing is drafted by a model (method ar, drafter ngram)."""
-    if not needed:
-        if draft is not None:
-            log.info("model arg draft is not used: nothing is drafted by a model")
-        return None
-    return DEFAULT_PAIR[1] if draft is None else _source("draft", draft)
-
-
-def _device(device: object) -> str:
-    """lm-eval's --device (it defaults to cuda:0): cpu when none is given or CUDA is absent."""
-    if device is None:
-        return "cpu"
-    name = str(device)
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        log.warning("device %s: CUDA is not available, running on cpu", name)
-        return "cpu"
-    return name
-
-
-def _ignore_batch_size(batch_size: object, max_batch_size: object) -> None:
-    if batch_size not in (None, 1, "1") or max_batch_size is not None:
-        log.info("lm-eval's batch sizes are ignored: model arg max_batch sets the rows")
-
-
-def _describe(source: object) -> str | None:
-    if source is None or isinstance(source, str):
-        return source
-    if isinstance(source, LoadedModel):
-        return source.identity
-    return type(source).__name__
-
-
-# --- requests -----------------------------------------------------------------------------
-
-
-def request_seed(seed: int, index: int) -> int:
-    """The seed of the ``index``-th request of a run with model arg ``seed``: the first 8
-    bytes of sha256("seed:index"), so requests (and runs with other seeds) draw apart."""
-    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def parse_gen_kwargs(gen_kwargs: dict) -> tuple[SamplingConfig, int, tuple[str, ...]]:
-    """lm-eval's gen_kwargs -> (sampling, max new tokens, stop strings).
-
-    Greedy when do_sample is false or temperature is 0; otherwise temperature (1 when only
-    do_sample is given), top_k (0 = off) and top_p (1 = off) as given, nothing else
-    (no hidden top-k). Keys other than ``GEN_KWARGS`` are ignored with a warning."""
-    kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
-    ignored = tuple(sorted(set(kwargs) - set(GEN_KWARGS)))
-    if ignored:
-        _warn_ignored(ignored)
-    max_new = kwargs["max_gen_toks"]
-    if max_new < 1:
-        raise ValueError(f"gen_kwargs max_gen_toks must be >= 1, got {max_new}")
-    until = tuple(str(s) for s in kwargs["until"] if s)
-    temperature = kwargs.get("temperature")
-    if not kwargs["do_sample"] or temperature == 0:
-        return _GREEDY, max_new, until
-    top_k = _as_int(kwargs.get("top_k", 0))
-    if top_k is None:
-        raise ValueError(f"gen_kwargs top_k must be an integer >= 0, got {kwargs['top_k']!r}")
-    top_p = kwargs.get("top_p")
-    sampling = SamplingConfig(
-        1.0 if temperature is None else float(temperature),
-        top_k,
-        1.0 if top_p is None else float(top_p),
-    )
-    return sampling, max_new, until
-
-
-@functools.cache
-def _warn_ignored(keys: tuple[str, ...]) -> None:
-    log.warning("gen_kwargs %s are not supported by cactus-spec and are ignored", keys)
 
 
 # --- command line -------------------------------------------------------------------------
