@@ -12,11 +12,11 @@ from cactus_spec.files import write_text_atomic
 DASH = "-"
 
 
-def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
+def format_number(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return DASH if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def _interval(values: Sequence[float] | None, digits: int = 2, suffix: str = "") -> str:
+def format_interval(values: Sequence[float] | None, digits: int = 2, suffix: str = "") -> str:
     """[estimate, low, high] -> "1.23x [1.01, 1.40]"."""
     if values is None:
         return DASH
@@ -36,7 +36,7 @@ def _k(config: dict) -> str:
     return f"{config['num_draft_tokens']} ({config['drafter']})"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     align = ["---"] + ["---:"] * (len(header) - 1)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -80,25 +80,25 @@ def _speed_row(c: dict) -> list[str]:
     return [
         *head,
         str(c["n"]),
-        _num(c["tokens_per_s"]),
-        _interval(c["speedup"], suffix="x"),
-        _num(c.get("mean_accepted")),
-        _num(c.get("alpha"), 3),
-        _num(c.get("c"), 3),
-        _num(c.get("v"), 3),
-        _num(c.get("bound"), suffix="x"),
+        format_number(c["tokens_per_s"]),
+        format_interval(c["speedup"], suffix="x"),
+        format_number(c.get("mean_accepted")),
+        format_number(c.get("alpha"), 3),
+        format_number(c.get("c"), 3),
+        format_number(c.get("v"), 3),
+        format_number(c.get("bound"), suffix="x"),
         DASH if ratio is None else f"{ratio:.0%}",
         DASH if other is None else f"{other:.0%}",
-        _num(c.get("kl_nats_per_token"), 4),
-        _num(c.get("kl_nats_per_sequence"), 3),
-        _num(c["peak_memory_bytes"] / 1e9),
-        _num(c.get("throughput_tokens_per_s")),
+        format_number(c.get("kl_nats_per_token"), 4),
+        format_number(c.get("kl_nats_per_sequence"), 3),
+        format_number(c["peak_memory_bytes"] / 1e9),
+        format_number(c.get("throughput_tokens_per_s")),
     ]
 
 
 def speed_table(configs: Sequence[dict]) -> list[str]:
     """Speed, acceptance, bound, divergence and memory, one row per configuration."""
-    return _table(SPEED_HEADER, [_speed_row(c) for c in configs])
+    return markdown_table(SPEED_HEADER, [_speed_row(c) for c in configs])
 
 
 def accuracy_table(configs: Sequence[dict]) -> list[str]:
@@ -119,14 +119,14 @@ def accuracy_table(configs: Sequence[dict]) -> list[str]:
     rows = []
     for c in (c for c in configs if c["n"]):
         row = [c["method"], _params(c), _k(c), _verifier(c), f"{c['correct']} / {c['n']}"]
-        row += [_interval(c["accuracy"], 3), _interval(c["difference_vs_ar"], 3)]
+        row += [format_interval(c["accuracy"], 3), format_interval(c["difference_vs_ar"], 3)]
         if fallback:
             row += [
-                _interval(c.get("accuracy_fallback"), 3),
-                _interval(c.get("difference_vs_ar_fallback"), 3),
+                format_interval(c.get("accuracy_fallback"), 3),
+                format_interval(c.get("difference_vs_ar_fallback"), 3),
             ]
         rows.append(row)
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def claim_table(summary: dict) -> list[str]:
@@ -146,7 +146,7 @@ def claim_table(summary: dict) -> list[str]:
         ]
         for x in summary["claim"]
     ]
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def position_table(configs: Sequence[dict]) -> list[str]:
@@ -156,11 +156,11 @@ def position_table(configs: Sequence[dict]) -> list[str]:
     header = ["method", "params", "K", "verifier", *(str(j + 1) for j in range(width))]
     rows = [
         [c["method"], _params(c), _k(c), _verifier(c)]
-        + [_num(a) for a in c["acceptance_by_position"]]
+        + [format_number(a) for a in c["acceptance_by_position"]]
         + [DASH] * (width - len(c["acceptance_by_position"]))
         for c in drafting
     ]
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _setting(summary: dict) -> list[str]:
