@@ -105,6 +105,7 @@ def test_the_claim_holds_only_with_both_more_acceptance_and_quality_inside() -> 
     found = {x["id"]: x for x in claim_check(configs, "ar")}
     assert set(found) == {"cactus", "tas", "interp"}  # not ar, not SpS itself
     assert found["cactus"]["holds"] and found["cactus"]["gain_over_sps"] == 1.5
+    assert found["cactus"]["ceiling"] == 2.0  # K = 10 drafts over SpS's 5 accepted
     assert found["tas"]["inside"] is False and not found["tas"]["holds"]
     assert found["interp"]["inside"] and not found["interp"]["holds"]
     assert claim_check(configs, None) == []

@@ -176,7 +176,8 @@ CLAIM_GAIN = 1.4
 def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
     """For each lossy method on the dense verifier: its mean accepted length over SpS's (same
     K and drafter), and whether its accuracy lies inside the verifier's 95% Wilson interval;
-    ``holds``: both at once (at least ``CLAIM_GAIN`` times SpS, and inside)."""
+    ``holds``: both at once (at least ``CLAIM_GAIN`` times SpS, and inside). ``ceiling``:
+    the largest gain K drafts allow (K over SpS's mean accepted length)."""
     ar = next((c for c in configs if c["id"] == reference and c.get("accuracy")), None)
     if ar is None:
         return []
@@ -197,6 +198,7 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
             {
                 "id": c["id"],
                 "gain_over_sps": gain,
+                "ceiling": c["num_draft_tokens"] / base["mean_accepted"],
                 "accuracy": c["accuracy"][0],
                 "verifier_interval": ar["accuracy"][1:],
                 "inside": inside,
