@@ -139,8 +139,24 @@ def test_int8_draft_keeps_sps_exact_in_law() -> None:
     assert chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs) < 1e-6
 
 
+def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position [T] in nats, from logits [T, V]."""
+    log_p, log_q = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+
 @pytest.mark.slow
 def test_smollm2_bf16_lean_agrees_with_transformers_on_real_text() -> None:
+    """The lean model computes what transformers computes on the same bf16 layers (exactly
+    enough: KL <= 1e-3 at every position), its repacked layers are as faithful to float32
+    as torch's own, and against stock transformers it stays within issue 8's bound (argmax
+    on >= 99% of positions, KL <= 1e-3 nats per position on average). Packed and stock bf16
+    products are bit-identical for blocks of up to 32 rows; larger blocks, such as this
+    prompt, may round differently where oneDNN picks another kernel for them (AMX)."""
     from cactus_spec.fetch import fetch
 
     loaded = load_model(fetch("smollm2-135m"), dtype="bfloat16")
@@ -151,9 +167,12 @@ def test_smollm2_bf16_lean_agrees_with_transformers_on_real_text() -> None:
         "    return quicksort(smaller) + [pivot] + quicksort(larger)\n"
     ) * 3
     ids = loaded.tokenizer(text).input_ids
-    hf = TransformersBackend(loaded.model).append(ids)  # [T, V]
-    lean = LeanBackend(LeanModel(loaded.model)).append(ids)
-    agree = (hf.argmax(-1) == lean.argmax(-1)).float().mean()
-    log_p, log_q = torch.log_softmax(lean, -1), torch.log_softmax(hf, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [T] nats
-    assert agree >= 0.99 and kl.max() <= 1e-3, (float(agree), float(kl.max()))
+    stock = TransformersBackend(loaded.model).append(ids)  # [T, V], torch's bf16 linears
+    lean = LeanBackend(LeanModel(loaded.model)).append(ids)  # repacks the model's linears
+    same_layers = TransformersBackend(loaded.model).append(ids)  # transformers, repacked
+    assert _agreement(lean, same_layers) >= 0.99 and _kl(lean, same_layers).max() <= 1e-3
+    reference = TransformersBackend(load_model(loaded.identity, dtype="float32").model)
+    exact = reference.append(ids)  # [T, V] float32
+    assert _agreement(lean, exact) >= _agreement(stock, exact) - 0.01
+    assert _kl(lean, exact).mean() <= 1.5 * _kl(stock, exact).mean() + 1e-4
+    assert _agreement(lean, stock) >= 0.99 and _kl(lean, stock).mean() <= 1e-3

@@ -231,8 +231,9 @@ def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = No
         if _packed(meta or {}):
             notes.append(
                 "Hugging Face rows run the same model objects as the engine, whose bfloat16 "
-                "linear layers the lean backend repacked for oneDNN (bit-identical products): "
-                "they are faster than stock transformers on the same machine."
+                "linear layers the lean backend repacked for oneDNN (bit-identical products "
+                "for blocks of up to 32 rows): they are faster than stock transformers on the "
+                "same machine."
             )
     return notes
 
