@@ -83,6 +83,7 @@ def test_rescore_restores_the_recorded_scores_of_a_real_run(tmp_path, capsys) ->
     ]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in spoiled))
     assert (out / "results.jsonl").read_text() != recorded  # the control: scores did change
+    (out / "summary.json").unlink()  # as in a run stopped before its first summary
     capsys.readouterr()
     assert main(["bench", "--rescore", "--out", str(out)]) == 0
     assert (out / "results.jsonl").read_text() == recorded

@@ -5,7 +5,7 @@ for GSM and a few minutes of test runs for HumanEval, not hours of decoding. The
 identity (run.json) says the task, its items and the grid; every row with a text is graded
 by ``grading`` as when it was recorded, results.jsonl is rewritten atomically, and the
 summaries and plots are written again (keeping the environment and divergence figures the
-last summary recorded).
+last summary recorded). It also writes the summaries of a run stopped before its first.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from cactus_spec.bench.grading import SCORE_FIELDS, grade
 from cactus_spec.bench.grid import Config
+from cactus_spec.bench.provenance import environment
 from cactus_spec.bench.runner import write_summaries
 from cactus_spec.bench.store import RUN_FILE, RunDirectory
 from cactus_spec.bench.tasks import TaskSpec, load_items
@@ -45,8 +48,15 @@ def rescore(out: str | Path) -> dict:
 
 
 def _meta(path: Path, identity: dict) -> dict:
-    """The last summary's environment and divergence figures, with the run's identity."""
+    """The last summary's environment and divergence figures, with the run's identity; for a
+    run stopped before its first summary, this machine's environment with the run's device
+    and dtype (and no divergence figures)."""
     summary_file = path / "summary.json"
     old = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    keep = {key: old[key] for key in ("environment", "verifier_divergence") if key in old}
-    return {"run": identity, **keep}
+    setup = identity["setup"]
+    here = environment(torch.device(setup["device"]), getattr(torch, setup["dtype"]))
+    return {
+        "run": identity,
+        "environment": old.get("environment", here | {"threads": setup["threads"]}),
+        "verifier_divergence": old.get("verifier_divergence", {}),
+    }
