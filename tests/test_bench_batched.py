@@ -89,6 +89,8 @@ def test_rescore_restores_the_recorded_scores_of_a_real_run(tmp_path, capsys) ->
     assert (out / "results.jsonl").read_text() == recorded
     again = json.loads((out / "summary.json").read_text())
     assert again["configs"] == summary["configs"]
+    reference, sps = again["configs"]
+    assert reference["difference_vs_ar"] is None and sps["difference_vs_ar"] is not None
     assert "## Accuracy" in capsys.readouterr().out
 
 

@@ -101,7 +101,7 @@ def _accuracy(config: Config, rows: Rows, ar: Rows | None, key: str = "correct")
         f"difference_vs_ar{suffix}": None,
     }
     shared = [i for i in rows if ar and i in ar]
-    if shared and config.method != "ar":
+    if shared and rows is not ar:  # every configuration but the reference itself
         mine = [bool(rows[i].get(key)) for i in shared]
         theirs = [bool(ar[i].get(key)) for i in shared]
         out[f"difference_vs_ar{suffix}"] = paired_difference(mine, theirs).as_list()
