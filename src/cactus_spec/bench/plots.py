@@ -34,12 +34,13 @@ COLORS = {
 
 def _style(config: dict) -> dict:
     """Colour by method (Cactus: darker blue for larger delta); exact Cactus with squares
-    and dashes; the n-gram drafter with triangles."""
+    and dashes; the n-gram drafter with triangles; a quantised verifier with diamonds."""
     params = config["params"]
     color = COLORS.get(config["method"], "gray")
     if config["method"] == "cactus":
         color = colormaps["Blues"](0.4 + 0.6 * min(params["delta"], 2.0) / 2.0)
     marker = "^" if config["drafter"] == "ngram" else "s" if params.get("exact") else "o"
+    marker = "D" if config.get("verifier", "none") != "none" else marker
     return {"color": color, "marker": marker, "linestyle": "--" if params.get("exact") else "-"}
 
 
