@@ -35,33 +35,28 @@ def load(root: Path) -> dict[str, dict]:
     return found
 
 
-def accuracy_rows(summaries: dict[str, dict]) -> list[list[str]]:
+def rows(summaries: dict[str, dict], cells) -> list[list[str]]:
+    """One row per configuration: its label, then ``cells(task, config)`` for each task."""
     first = next(iter(summaries.values()))
-    rows = []
+    found = []
     for i, config in enumerate(first["configs"]):
         row = [config["label"]]
         for task, summary in summaries.items():
-            c = summary["configs"][i]
-            row += [str(c["n"]), format_interval(c.get("accuracy"), 3)]
-            row += [format_interval(c.get("difference_vs_ar"), 3)]
-            if task == "gsm":
-                row += [format_interval(c.get("accuracy_fallback"), 3)]
-        rows.append(row)
-    return rows
+            row += cells(task, summary["configs"][i])
+        found.append(row)
+    return found
 
 
-def acceptance_rows(summaries: dict[str, dict]) -> list[list[str]]:
-    first = next(iter(summaries.values()))
-    rows = []
-    for i, config in enumerate(first["configs"]):
-        row = [config["label"]]
-        for summary in summaries.values():
-            c = summary["configs"][i]
-            row += [format_number(c.get("mean_accepted")), format_number(c.get("alpha"), 3)]
-            row += [format_number(c.get("kl_nats_per_token"), 4)]
-            row += [format_number(c.get("throughput_tokens_per_s"), 1)]
-        rows.append(row)
-    return rows
+def accuracy_cells(task: str, c: dict) -> list[str]:
+    cells = [str(c["n"]), format_interval(c.get("accuracy"), 3)]
+    cells += [format_interval(c.get("difference_vs_ar"), 3)]
+    return cells + ([format_interval(c.get("accuracy_fallback"), 3)] if task == "gsm" else [])
+
+
+def acceptance_cells(task: str, c: dict) -> list[str]:
+    cells = [format_number(c.get("mean_accepted")), format_number(c.get("alpha"), 3)]
+    cells += [format_number(c.get("kl_nats_per_token"), 4)]
+    return cells + [format_number(c.get("throughput_tokens_per_s"), 1)]
 
 
 def main(root: Path) -> None:
@@ -72,12 +67,12 @@ def main(root: Path) -> None:
     for task in summaries:
         header += [f"{task} N", f"{task} accuracy [95% Wilson]", f"{task} vs AR [Newcombe]"]
         header += ["gsm last number [95% Wilson]"] if task == "gsm" else []
-    print("\n".join(markdown_table(header, accuracy_rows(summaries))), end="\n\n")
+    print("\n".join(markdown_table(header, rows(summaries, accuracy_cells))), end="\n\n")
     header = ["configuration"]
     for task in summaries:
         header += [f"{task} mean accepted", f"{task} alpha", f"{task} KL nats/token"]
         header += [f"{task} tokens/s (batched)"]
-    print("\n".join(markdown_table(header, acceptance_rows(summaries))), end="\n\n")
+    print("\n".join(markdown_table(header, rows(summaries, acceptance_cells))), end="\n\n")
     for task, summary in summaries.items():
         summary["claim"] = claim_check(summary["configs"], summary["reference"])
         print(f"{task}:\n\n" + "\n".join(claim_table(summary)), end="\n\n")

@@ -222,9 +222,9 @@ class Runner:
 
     def _run_chunks(self, items, store: RunDirectory, done, record) -> None:
         """Batched mode (module docstring): chunks of 2B items through every configuration."""
-        size = 2 * self.settings.max_batch
+        size, indexed = 2 * self.settings.max_batch, list(enumerate(items))
         for start in range(0, len(items), size):
-            chunk = list(enumerate(items))[start : start + size]
+            chunk = indexed[start : start + size]
             grid = self.settings.grid
             for config in grid if (start // size) % 2 == 0 else list(reversed(grid)):
                 todo = [(i, item) for i, item in chunk if (config.id, item.id) not in done]
@@ -245,22 +245,20 @@ class Runner:
         ]
         device = self.target.model.device
         memory.reset_peak(device)
-        tokens = [0]
 
         def finished(j: int, result) -> None:
             index, item = todo[j]
-            tokens[0] += result.stats.new_tokens
             measured, peak = _engine_measures(result), memory.peak_bytes(device)
             record(self._row(index, item, config, measured, peak), config.label)
 
         start = time.perf_counter()
         k = config.num_draft_tokens if config.drafts else None
         decoder = self.decoders[config.id]
-        decode_all(decoder, prompts, s.sampling, num_draft_tokens=k, on_result=finished)
+        results = decode_all(decoder, prompts, s.sampling, num_draft_tokens=k, on_result=finished)
         return {
             "config": config.id,
             "items": [item.id for _, item in todo],
-            "new_tokens": tokens[0],
+            "new_tokens": sum(r.stats.new_tokens for r in results),
             "wall_s": time.perf_counter() - start,
             "max_batch": s.max_batch,
         }
