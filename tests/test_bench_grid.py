@@ -145,8 +145,8 @@ def test_verifier_formats_expand_and_mark_ids() -> None:
 
 
 def test_bad_verifier_formats_are_refused() -> None:
-    with pytest.raises(ValueError, match="verifier must be one of none, int8, got 'int4'"):
-        expand([parse_entry("sps:verifier=int4")])
+    with pytest.raises(ValueError, match="verifier must be one of none, int8, int4, got 'int2'"):
+        expand([parse_entry("sps:verifier=int2")])
     with pytest.raises(ValueError, match="llamacpp runs the verifier's GGUF itself"):
         expand([parse_entry("llamacpp:verifier=int8")])
 

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.load import make_backend
-from cactus_spec.backends.quant import quantize_int8
+from cactus_spec.backends.quant import quantize
 from cactus_spec.engine import SpeculativeDecoder
 from cactus_spec.models import LoadedModel, load_model
 from cactus_spec.rules import Cactus, SpS
@@ -125,11 +125,12 @@ def test_backend_choice() -> None:
     assert isinstance(make_backend(LoadedModel(make_tiny_lm(), None, "t", None)), LeanBackend)
 
 
-def test_int8_draft_keeps_sps_exact_in_law() -> None:
-    """The joint law of the first two tokens with an int8 draft is the verifier's exact law;
-    the same test rejects Cactus(5) with that draft (negative control)."""
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantised_draft_keeps_sps_exact_in_law(quant) -> None:
+    """The joint law of the first two tokens with an int8 or int4 draft is the verifier's
+    exact law; the same test rejects Cactus(5) with that draft (negative control)."""
     target = make_tiny_lm(vocab_size=32, seed=6)
-    draft = quantize_int8(noisy_copy(target, 1.0, seed=7))
+    draft = quantize(noisy_copy(target, 1.0, seed=7), quant)
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)

@@ -1,6 +1,7 @@
-"""Int8 linear layers: close to float, each row of a block as if alone; packed bf16 layers:
-the same products; the divergence
-measure of a quantised verifier is 0 against itself and grows with the quantisation error."""
+"""Int8 linear layers: close to float, each row of a block as if alone, the same numbers when
+layers share an input's scaling; int4 layers: every weight within half a step of its group,
+close to float; packed bf16 layers: the same products; the divergence measure of a quantised
+verifier is 0 against itself and grows with the quantisation error."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.packed import PackedLinear, packing_available
-from cactus_spec.backends.quant import Int8Linear, quantize_int8
+from cactus_spec.backends.quant import INT4_GROUP, Int4Linear, Int8Linear, project, quantize
 from cactus_spec.divergence import PREFIX_TOKENS, measure
 from cactus_spec.models import load_model
 
@@ -77,10 +78,69 @@ def test_leading_dimensions_and_dtypes_are_kept() -> None:
 
 
 def test_quantize_int8_swaps_every_linear() -> None:
-    model = quantize_int8(make_tiny_lm())
+    model = quantize(make_tiny_lm(), "int8")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears == []
     assert any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def test_layers_sharing_an_input_give_the_same_numbers_bit_for_bit() -> None:
+    layers = [Int8Linear(_linear(seed)) for seed in range(3)]
+    x = _block().reshape(2, 3, IN)
+    for shared, alone in zip(project(x, layers), [layer(x) for layer in layers], strict=True):
+        assert torch.equal(shared, alone)
+    mixed = [layers[0], _linear(seed=4)]  # a dense layer among them: each on its own
+    with torch.no_grad():
+        got, expected = project(x, mixed), [m(x) for m in mixed]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def _int4_weights_seen_by_the_kernel(int4: Int4Linear) -> torch.Tensor:
+    """W [OUT, IN] as the kernel multiplies it: the products with the identity's rows."""
+    return int4(torch.eye(IN)).float().T
+
+
+def _group_steps(weight: torch.Tensor) -> torch.Tensor:
+    """Each weight's quantisation step (max - min) / 15 of its group: [OUT, IN]."""
+    groups = weight.reshape(weight.shape[0], -1, INT4_GROUP)
+    steps = (groups.amax(-1) - groups.amin(-1)) / 15  # [OUT, G]
+    return steps.repeat_interleave(INT4_GROUP, dim=1)
+
+
+def test_int4_weights_lie_within_half_a_step_of_their_group() -> None:
+    """Every weight the kernel uses is the original within half its group's step (plus the
+    bfloat16 rounding of scale, offset and product); one step off fails (control)."""
+    layer = _linear()
+    layer.bias = None  # the products with the identity are then the weights alone
+    weight = layer.weight.detach()
+    seen = _int4_weights_seen_by_the_kernel(Int4Linear(layer))
+    steps, slack = _group_steps(weight), 2**-7 * weight.abs().amax(1, keepdim=True)
+    assert ((seen - weight).abs() <= steps / 2 + slack).all()
+    shifted = seen.clone()
+    shifted[0, 0] += steps[0, 0]
+    assert not ((shifted - weight).abs() <= steps / 2 + slack).all()
+
+
+def test_int4_linear_is_close_to_float_and_keeps_shapes() -> None:
+    layer, x = _linear(), _block()
+    int4 = Int4Linear(layer)
+    with torch.no_grad():
+        errors = _relative_errors(int4(x).float(), layer(x))
+    assert float(errors.max()) < 0.1, errors
+    y = int4(x.reshape(2, 3, IN))
+    assert y.shape == (2, 3, OUT) and y.dtype == torch.bfloat16
+
+
+def test_quantize_int4_swaps_the_layers_the_kernel_takes() -> None:
+    model = make_tiny_lm()
+    model.model.layers[0].mlp.gate_proj = nn.Linear(64, 120, bias=False)  # 120 % 16 != 0
+    quantize(model, "int4")
+    dense = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert [tuple(m.weight.shape) for m in dense] == [(120, 64)]
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2 * 7 + 1 - 1
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="quant must be one of none, int8, int4, got 'int2'"):
+        quantize(model, "int2")
 
 
 def _tokens(count: int = PREFIX_TOKENS + 40) -> list[int]:
@@ -96,13 +156,14 @@ def test_divergence_of_a_model_from_itself_is_zero() -> None:
     assert result.tokens == 40
 
 
-def test_divergence_of_an_int8_model_is_small_and_positive() -> None:
+@pytest.mark.parametrize(("quant", "bound"), [("int8", 0.01), ("int4", 0.1)])
+def test_divergence_of_a_quantised_model_is_small_and_positive(quant, bound) -> None:
     reference = make_tiny_lm()
-    quantised = quantize_int8(copy.deepcopy(reference))
+    quantised = quantize(copy.deepcopy(reference), quant)
     result = measure(
-        LeanBackend(LeanModel(reference)), LeanBackend(LeanModel(quantised)), _tokens(), "int8", 4
+        LeanBackend(LeanModel(reference)), LeanBackend(LeanModel(quantised)), _tokens(), quant, 4
     )
-    assert 0 < result.kl_one_row < 0.01 and 0 < result.kl_block < 0.01
+    assert 0 < result.kl_one_row < bound and 0 < result.kl_block < bound
     assert result.kl_worst == max(result.kl_one_row, result.kl_block)
 
 
@@ -132,15 +193,15 @@ def _mapped(path) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_a_packed_or_quantised_model_does_not_keep_its_checkpoint_mapped(tmp_path, quant) -> None:
     """Once the linear layers hold their own copies, the safetensors file is unmapped (else
     every page read while packing stays resident: the model's size again)."""
     make_tiny_lm().bfloat16().save_pretrained(tmp_path)
     loaded = load_model(tmp_path, dtype="bfloat16")
     assert _mapped(tmp_path)  # control: a fresh load is a memory map of the file
-    if quant == "int8":
-        quantize_int8(loaded.model)
+    if quant != "none":
+        quantize(loaded.model, quant)
     elif packing_available(loaded.model):
         LeanModel(loaded.model)
     else:

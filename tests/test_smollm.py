@@ -37,14 +37,32 @@ def test_greedy_ngram_sps_equals_autoregressive(smollm: LoadedModel) -> None:
         prompt, 64, temperature=0
     )
     assert sps.stats.accepted > 0  # the lookup drafter did find continuations
-    prompt_ids = SpeculativeDecoder(smollm, None).encode(prompt)
-    for i, (a, b) in enumerate(zip(ar.token_ids, sps.token_ids, strict=False)):
+    assert_same_greedy_tokens(smollm, prompt, ar.token_ids, sps.token_ids)
+
+
+def assert_same_greedy_tokens(verifier: LoadedModel, prompt: str, ar: list, other: list) -> None:
+    """``other`` equals the greedy tokens ``ar`` up to the first exact near-tie."""
+    prompt_ids = SpeculativeDecoder(verifier, None).encode(prompt)
+    for i, (a, b) in enumerate(zip(ar, other, strict=False)):
         if a != b:
-            gap = top_two_gap(smollm.model, prompt_ids + ar.token_ids[:i])
+            gap = top_two_gap(verifier.model, prompt_ids + ar[:i])
             assert gap < NEAR_TIE, f"token {i} differs with a clear margin ({gap:.2e})"
             print(f"stopped comparing at token {i}: near-tie (top-2 gap {gap:.1e})")
             return
-    assert ar.token_ids == sps.token_ids
+    assert ar == other
+
+
+def test_greedy_sps_with_an_int4_draft_equals_autoregressive(smollm: LoadedModel) -> None:
+    """An int4 copy of the verifier drafts: the output is still the verifier's own greedy
+    text, and the copy agrees with its original on most drafts."""
+    from cactus_spec.fetch import fetch
+
+    draft = load_model(fetch("smollm2-135m"), quant="int4")
+    prompt = "Write a Python function that returns the sum of a list of numbers."
+    ar = SpeculativeDecoder(smollm, None).generate(prompt, 48, temperature=0)
+    sps = SpeculativeDecoder(smollm, draft, SpS(), 4).generate(prompt, 48, temperature=0)
+    assert sps.stats.acceptance_by_position[0] > 0.7
+    assert_same_greedy_tokens(smollm, prompt, ar.token_ids, sps.token_ids)
 
 
 def test_sampled_cactus_answer_is_coherent(smollm: LoadedModel) -> None:

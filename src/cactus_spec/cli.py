@@ -162,13 +162,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="model code (auto)")
     p.add_argument(
-        "--draft-quant", choices=QUANTS, default="int8", help="draft weights (int8: lossless)"
+        "--draft-quant",
+        choices=QUANTS,
+        default="int8",
+        help="draft weights (any is lossless; int4 is fastest for one sequence on a CPU)",
     )
     p.add_argument(
         "--verifier-quant",
         choices=QUANTS,
         default="none",
-        help="verifier weights (int8 changes the output law: its measured KL from bfloat16 "
+        help="verifier weights (int8/int4 change the output law: its measured KL from bfloat16 "
         "is reported)",
     )
 

@@ -60,7 +60,7 @@ class SpeculativeDecoder:
     against. ``drafter`` may also be "ngram" or any ``Drafter`` object.
 
     ``backend`` picks the code that runs both models (``backends.load.make_backend``:
-    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none" or "int8") apply to
+    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none", "int8", "int4") apply to
     models this constructor loads from a name or path: the draft is int8 by default (the
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
     """

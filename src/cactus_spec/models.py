@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from cactus_spec.backends.quant import check_quant, quantize_int8
+from cactus_spec.backends.quant import check_quant, quantize
 from cactus_spec.cache import (
     FETCH_HINT,
     ModelNotFoundError,
@@ -68,7 +68,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None
     identity: str  # local path or hub id
     sha256: str | None  # of the GGUF file, when loaded from one
-    quant: str = "none"  # weight format of the linear layers: none or int8
+    quant: str = "none"  # weight format of the linear layers: none, int8 or int4
     eos_ids: frozenset[int] = frozenset()  # ids that end generation
 
     @property
@@ -174,8 +174,9 @@ def load_model(
 
     Only a hub id reaches the network. A path that does not exist raises ModelNotFoundError;
     a damaged file raises CorruptModelError. A model object keeps its own dtype unless
-    `dtype` is given. ``quant="int8"`` turns every linear layer into int8 (``backends.quant``;
-    the model then runs in float32 around them, and a model object is changed in place).
+    `dtype` is given. ``quant="int8"`` or ``"int4"`` turns the linear layers into quantised
+    ones (``backends.quant``; the model then runs in float32 or bfloat16 around them, and a
+    model object is changed in place).
     """
     device = check_device(device)
     if threads is not None:
@@ -194,10 +195,10 @@ def load_model(
             f"got {type(source).__name__}"
         )
     model = model.to(device).eval()
-    if quant == "int8":
+    if quant != "none":
         if device.type != "cpu":
-            raise ValueError(f"quant int8 runs on the CPU only, not on {device}")
-        model = quantize_int8(model)
+            raise ValueError(f"quant {quant} runs on the CPU only, not on {device}")
+        model = quantize(model, quant)
     return LoadedModel(model, tokenizer, identity, sha, quant, _eos_ids(model, tokenizer))
 
 

@@ -18,7 +18,8 @@ entries beyond it are masked out and overwritten later. So a forward over rows o
 lengths gives each row exactly the logits it would get alone.
 
 Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
-the CPU first has its linear layers repacked for oneDNN, in place (``packed``).
+the CPU first has its linear layers repacked for oneDNN, in place (``packed``). Int8 layers
+that read the same input (q, k, v; gate, up) share its row scaling (``quant.project``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from cactus_spec.backends.packed import pack_linears, packing_available
+from cactus_spec.backends.quant import project
 
 #: Architectures this module implements, by ``config.model_type``.
 SUPPORTED = ("llama", "qwen2")
@@ -107,9 +109,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
         batch, count, _ = x.shape  # x: [B, T, E]
-        q = self.q(x).view(batch, count, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, [self.q, self.k, self.v])  # [B, T, H D], [B, T, H_kv D] x2
+        q = q.view(batch, count, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, *rope), rotate(k, *rope)  # [B, H, T, D], [B, H_kv, T, D]
         keys, values, mask = cache.write(layer, k, v)  # [B, H_kv, S, D] x2, [B, 1, T, S]
         out = attend(q, keys, values, mask)  # [B, H, T, D]
@@ -130,7 +133,8 @@ class Block(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, cache, layer)
         m = self.mlp_norm(h)
-        return h + self.down(F.silu(self.gate(m)) * self.up(m))
+        gate, up = project(m, [self.gate, self.up])
+        return h + self.down(F.silu(gate) * up)
 
 
 #: Tokens per row a cache holds at first; it doubles (up to its size) when a forward needs more.

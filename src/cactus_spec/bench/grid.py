@@ -18,8 +18,9 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``
 or ``drafter``, overriding the defaults for that entry, or ``verifier`` (the verifier's
-weights, ``none`` or ``int8``; default: ``--verifier-quant``) for every method but llama.cpp's,
-which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares both in one run.
+weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for every method but
+llama.cpp's, which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares
+both in one run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cactus_spec.backends.quant import QUANTS
 from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS, build_rule
 from cactus_spec.methods import METHODS as ENGINE_METHODS
 from cactus_spec.rules import Rule
@@ -46,7 +48,6 @@ METHODS: dict[str, dict[str, object]] = {
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
 #: Weight formats of the verifier a configuration may ask for (``verifier=...``).
-VERIFIER_QUANTS = ("none", "int8")
 DRAFTERS = ("model", "ngram")
 #: Keys an entry may set besides its method's parameters; the values give their types.
 DRAFT_DEFAULTS: dict[str, object] = {
@@ -187,10 +188,8 @@ def make_config(
         raise ValueError(
             f"{method} does not take {', '.join(unknown)} (it takes {', '.join(keys)})"
         )
-    if verifier not in VERIFIER_QUANTS:
-        raise ValueError(
-            f"{method}: verifier must be one of {', '.join(VERIFIER_QUANTS)}, got {verifier!r}"
-        )
+    if verifier not in QUANTS:
+        raise ValueError(f"{method}: verifier must be one of {', '.join(QUANTS)}, got {verifier!r}")
     values = {name: _coerce(method, name, params.get(name, d)) for name, d in allowed.items()}
     verifier = "none" if method in LLAMACPP_METHODS else verifier  # it runs the GGUF
     config = Config(method, tuple(sorted(values.items())), verifier=verifier)
