@@ -165,7 +165,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-quant",
         choices=QUANTS,
         default="int8",
-        help="draft weights (any is lossless; int4 is fastest for one sequence on a CPU)",
+        help="draft weights (any of them keeps the output law; int8 is the fastest measured)",
     )
     p.add_argument(
         "--verifier-quant",
