@@ -47,7 +47,6 @@ METHODS: dict[str, dict[str, object]] = {
 }
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-#: Weight formats of the verifier a configuration may ask for (``verifier=...``).
 DRAFTERS = ("model", "ngram")
 #: Keys an entry may set besides its method's parameters; the values give their types.
 DRAFT_DEFAULTS: dict[str, object] = {

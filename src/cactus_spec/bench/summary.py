@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from cactus_spec.bench.bound import measured_bound
 from cactus_spec.bench.grid import Config
-from cactus_spec.bench.stats import median_spread, paired_difference, wilson
+from cactus_spec.bench.stats import Interval, median_spread, paired_difference, wilson
 from cactus_spec.bench.tasks import Item
 
 _SUMMED = ("iterations", "drafted", "accepted", "new_tokens", "kl_nats")
@@ -55,11 +55,19 @@ def _speed(rows: Rows, ar: Rows | None) -> dict:
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows.values()),
         "speedup": None,
     }
-    shared = [i for i in rows if ar and i in ar and ar[i]["tokens_per_s"] > 0]
-    if shared:
-        ratios = [rows[i]["tokens_per_s"] / ar[i]["tokens_per_s"] for i in shared]
-        out["speedup"] = median_spread(ratios).as_list()
+    ratio = speed_ratio(rows, ar)
+    if ratio is not None:
+        out["speedup"] = ratio.as_list()
     return out
+
+
+def speed_ratio(rows: Rows, reference: Rows | None) -> Interval | None:
+    """Per-item tokens/s of ``rows`` over ``reference`` (both keyed by item), on the items
+    both hold: median [min, max]; None when they share no item."""
+    shared = [i for i in rows if reference and i in reference and reference[i]["tokens_per_s"] > 0]
+    if not shared:
+        return None
+    return median_spread([rows[i]["tokens_per_s"] / reference[i]["tokens_per_s"] for i in shared])
 
 
 def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
