@@ -1,7 +1,8 @@
-"""Int8 linear layers: close to float, each row of a block as if alone, the same numbers when
-layers share an input's scaling; int4 layers: every weight within half a step of its group,
-close to float; packed bf16 layers: the same products; the divergence measure of a quantised
-verifier is 0 against itself and grows with the quantisation error."""
+"""Int8 linear layers (with the native kernel and with fbgemm's): close to float, each row of a
+block as if alone, the same numbers when layers share an input's scaling; int4 layers: every
+weight within half a step of its group, close to float; packed bf16 layers: the same
+products; the divergence measure of a quantised verifier is 0 against itself and grows with
+the quantisation error."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from conftest import make_tiny_lm
 from torch import nn
 
+from cactus_spec.backends import native
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.packed import PackedLinear, packing_available
 from cactus_spec.backends.quant import INT4_GROUP, Int4Linear, Int8Linear, project, quantize
@@ -38,19 +40,31 @@ def _block(seed: int = 1) -> torch.Tensor:
     return torch.randn(6, IN) * scales + offsets
 
 
+@pytest.fixture(params=["native", "fbgemm"])
+def int8_kernel(request, monkeypatch) -> str:
+    """Int8 layers made in the test use this kernel (native: cactus_spec.backends.native)."""
+    if request.param == "fbgemm":
+        monkeypatch.setenv("CACTUS_SPEC_NATIVE", "0")
+    native.load.cache_clear()
+    if request.param == "native" and not native.available():
+        pytest.skip("the native kernels could not be built here (no C++ toolchain)")
+    yield request.param
+    native.load.cache_clear()  # the next load sees the restored environment
+
+
 def _relative_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """Per row: |got - expected| / |expected| (L2)."""
     return (got - expected).norm(dim=-1) / expected.norm(dim=-1)
 
 
-def test_int8_linear_is_close_to_float_for_every_row() -> None:
+def test_int8_linear_is_close_to_float_for_every_row(int8_kernel) -> None:
     layer, x = _linear(), _block()
     with torch.no_grad():
         errors = _relative_errors(Int8Linear(layer)(x), layer(x))
     assert float(errors.max()) < 0.02, errors
 
 
-def test_each_row_of_a_block_is_quantised_as_if_alone() -> None:
+def test_each_row_of_a_block_is_quantised_as_if_alone(int8_kernel) -> None:
     layer, x = _linear(), _block()
     int8 = Int8Linear(layer)
     together = int8(x)  # [6, OUT]
@@ -61,7 +75,11 @@ def test_each_row_of_a_block_is_quantised_as_if_alone() -> None:
 def test_negative_control_one_range_per_block_is_not_as_if_alone() -> None:
     """fbgemm on the raw block (one activation range for all rows) fails the same check:
     the check above can fail."""
-    packed = Int8Linear(_linear())._packed
+    weight = _linear().weight.detach()
+    scale = weight.abs().amax(1) / 127
+    zero = torch.zeros(OUT, dtype=torch.long)
+    w8 = torch.quantize_per_channel(weight, scale.double(), zero, 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(w8, None)
     x = _block()
     together = torch.ops.quantized.linear_dynamic(x, packed, False)  # [6, OUT]
     alone = torch.cat(
@@ -70,21 +88,23 @@ def test_negative_control_one_range_per_block_is_not_as_if_alone() -> None:
     assert float(_relative_errors(together, alone).max()) > 0.1
 
 
-def test_leading_dimensions_and_dtypes_are_kept() -> None:
+def test_leading_dimensions_and_dtypes_are_kept(int8_kernel) -> None:
     layer = _linear()
     x = torch.randn(2, 3, IN, dtype=torch.bfloat16)
-    y = Int8Linear(layer)(x)
+    int8 = Int8Linear(layer)
+    y = int8(x)
     assert y.shape == (2, 3, OUT) and y.dtype == torch.float32
+    assert int8.native == (int8_kernel == "native")
 
 
-def test_quantize_int8_swaps_every_linear() -> None:
+def test_quantize_int8_swaps_every_linear(int8_kernel) -> None:
     model = quantize(make_tiny_lm(), "int8")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears == []
     assert any(isinstance(m, Int8Linear) for m in model.modules())
 
 
-def test_layers_sharing_an_input_give_the_same_numbers_bit_for_bit() -> None:
+def test_layers_sharing_an_input_give_the_same_numbers_bit_for_bit(int8_kernel) -> None:
     layers = [Int8Linear(_linear(seed)) for seed in range(3)]
     x = _block().reshape(2, 3, IN)
     for shared, alone in zip(project(x, layers), [layer(x) for layer in layers], strict=True):
@@ -157,7 +177,7 @@ def test_divergence_of_a_model_from_itself_is_zero() -> None:
 
 
 @pytest.mark.parametrize(("quant", "bound"), [("int8", 0.01), ("int4", 0.1)])
-def test_divergence_of_a_quantised_model_is_small_and_positive(quant, bound) -> None:
+def test_divergence_of_a_quantised_model_is_small_and_positive(quant, bound, int8_kernel) -> None:
     reference = make_tiny_lm()
     quantised = quantize(copy.deepcopy(reference), quant)
     result = measure(

@@ -1,0 +1,75 @@
+"""What one lean forward costs: a model at each quantisation and int8 kernel, T new tokens
+after a 200-token context, median and spread over repetitions, configurations alternating.
+
+    python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
+        --configs int8:native,int8:fbgemm,int4,none
+
+A configuration is a quantisation (none, int8, int4) and, for int8, the kernel: ``native``
+(cactus_spec.backends.native) or ``fbgemm`` (torch's, the fallback). Each configuration
+loads its own copy of the model; the rounds run every configuration once per repetition,
+so drifts of a shared machine fall on all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from cactus_spec.backends import native
+from cactus_spec.backends.lean import LeanModel
+from cactus_spec.models import load_model
+
+CONTEXT = 200
+
+
+def load(model: str, config: str) -> LeanModel:
+    quant, _, kernel = config.partition(":")
+    os.environ["CACTUS_SPEC_NATIVE"] = "0" if kernel == "fbgemm" else "1"
+    native.load.cache_clear()
+    lean = LeanModel(load_model(model, quant=quant).model)
+    os.environ.pop("CACTUS_SPEC_NATIVE")
+    native.load.cache_clear()  # the native models find the kernels again
+    return lean
+
+
+def forward_ms(lean: LeanModel, tokens: int) -> float:
+    cache = lean.new_cache(1, CONTEXT + tokens)
+    lean(torch.randint(0, 1000, (1, CONTEXT)), cache, keep=1)
+    start = time.perf_counter()
+    lean(torch.randint(0, 1000, (1, tokens)), cache)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen-coder-0.5b")
+    parser.add_argument("--tokens", default="1,11", help="new tokens per forward, e.g. 1,11")
+    parser.add_argument("--configs", default="int8:native,int8:fbgemm")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = args.configs.split(",")
+    models = {c: load(args.model, c) for c in configs}
+    sizes = [int(t) for t in args.tokens.split(",")]
+    times: dict[tuple[str, int], list[float]] = {(c, t): [] for c in configs for t in sizes}
+    for rep in range(args.reps + 1):
+        for c in configs:
+            for t in sizes:
+                ms = forward_ms(models[c], t)
+                if rep:  # the first round warms up
+                    times[c, t].append(ms)
+    print(f"{args.model}, {args.threads} threads, median [min, max] ms over {args.reps}")
+    for (c, t), values in times.items():
+        print(
+            f"  {c:14s} T={t:3d}: {statistics.median(values):7.1f} "
+            f"[{min(values):.1f}, {max(values):.1f}]"
+        )
+
+
+if __name__ == "__main__":
+    main()

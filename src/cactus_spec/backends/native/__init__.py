@@ -1,0 +1,84 @@
+"""Native kernels for the decode hot path, compiled for this CPU on first use.
+
+``int8_linear(x, w, scale, wsum, bias)``: y = x W^T + b for a few rows x [M, K] (float32)
+against int8 weights w [N, K] with per-row scales, W[n] ~ scale[n] w[n]. Each input row is
+quantised to uint8 on its own range, x[r] ~ lo[r] + step[r] u[r] with u in 0..255, so that
+
+    y[r, n] = scale[n] (step[r] <u[r], w[n]> + lo[r] sum_k w[n, k]) + b[n],
+
+the integer dot product exact in int32 (AVX512-VNNI's vpdpbusd where the CPU has it, plain
+C++ elsewhere). Unlike a GEMM library it reads the weight once per call whatever the rows
+and does the activation quantisation inside the call, which is what a one-token draft step
+spends its time on.
+
+The extension is built with torch's C++ toolchain (a C++ compiler and ninja) into
+``$CACTUS_SPEC_CACHE/native/<key>``, the key naming the CPU's flags and torch's version, so
+a cache shared between machines never runs code compiled for another CPU; later processes
+load it in a fraction of a second. ``CACTUS_SPEC_NATIVE=0`` turns it off; without a
+compiler it is off, and callers fall back to torch's kernels (``available()`` says which).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from cactus_spec.cache import cache_dir
+
+SOURCES = (Path(__file__).with_name("int8_linear.cpp"),)
+#: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded
+#: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+
+
+def _cpu_key() -> str:
+    """A short hash of what the compiled code depends on: CPU flags, torch, the sources."""
+    try:
+        cpu = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    parts = [cpu, torch.__version__, *FLAGS, *(s.read_text() for s in SOURCES)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled extension, building it on first use; None when turned off or unbuildable
+    (with a warning that says why)."""
+    if os.environ.get("CACTUS_SPEC_NATIVE", "1") == "0":
+        return None
+    from torch.utils import cpp_extension
+
+    build = cache_dir() / "native" / _cpu_key()
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="cactus_spec_native",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=list(FLAGS),
+            build_directory=str(build),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:
+        warnings.warn(
+            f"native kernels unavailable ({str(exc).splitlines()[0]}); "
+            "using torch's int8 kernel (set CACTUS_SPEC_NATIVE=0 to silence this)",
+            stacklevel=2,
+        )
+        return None
+
+
+def available() -> bool:
+    """Whether the native kernels are in use."""
+    return load() is not None

@@ -1,0 +1,172 @@
+// Int8 linear layers for the decode regime (a few rows against a large weight), the hot
+// path of the int8 draft and verifier. See cactus_spec/backends/native/__init__.py for the
+// math; in short, each input row r is quantised to uint8 on its own range,
+//     x[r, k] ~ lo[r] + step[r] * u[r, k] = mid[r] + step[r] * (u[r, k] - 128),   u in 0..255,
+// each weight row n is int8 with its own scale, W[n, k] ~ scale[n] * w[n, k], and
+//     y[r, n] = scale[n] * (step[r] * (sum_k u[r, k] w[n, k] - 128 sum_k w[n, k])
+//                          + mid[r] * sum_k w[n, k]) + bias[n],
+// the bracketed integer exact in int32 (centred, so the float part does not cancel).
+//
+// Layout: the weight is packed as [N / 16, K / 4, 16, 4] (N padded to kOutTile, K to 4 with
+// zeros): 64 bytes hold 4 consecutive inputs of 16 outputs, so one AVX512-VNNI vpdpbusd
+// against 4 inputs of a row broadcast to all lanes adds their products to 16 outputs at
+// once, with no horizontal sums. A tile of kBlocks * 16 outputs stays in the L2 cache while
+// every tile of input rows passes over it, so the weight is read from memory once per call.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define CACTUS_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;                // outputs per 64-byte packed group
+constexpr int kBlocks = 4;                    // packed groups of outputs per tile
+constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
+constexpr int kRowTile = 4;                   // input rows per pass over a tile
+
+struct Rows {
+  std::vector<uint8_t> u;  // [M, K4] codes, zero padded
+  std::vector<float> mid, step;
+  int64_t k4;  // K rounded up to 4
+};
+
+// Each row of x [M, K] to uint8 codes on its own range (see the header).
+Rows quantise_rows(const float* x, int64_t m, int64_t k) {
+  Rows rows{std::vector<uint8_t>(m * ((k + 3) / 4 * 4), 0), std::vector<float>(m),
+            std::vector<float>(m), (k + 3) / 4 * 4};
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    float low = row[0], high = row[0];
+    for (int64_t i = 1; i < k; ++i) {
+      low = std::min(low, row[i]);
+      high = std::max(high, row[i]);
+    }
+    const float step = high > low ? (high - low) / 255.0f : 1.0f;
+    const float inv = 1.0f / step;
+    uint8_t* out = rows.u.data() + r * rows.k4;
+    for (int64_t i = 0; i < k; ++i) {
+      out[i] = static_cast<uint8_t>(std::min(255.0f, (row[i] - low) * inv + 0.5f));
+    }
+    rows.mid[r] = low + 128.0f * step;
+    rows.step[r] = step;
+  }
+  return rows;
+}
+
+// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile.
+template <int R>
+void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[kOutTile]) {
+  const int64_t quads = k4 / 4;
+#ifdef CACTUS_VNNI
+  __m512i acc[R][kBlocks];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i wv[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) {
+      wv[b] = _mm512_loadu_si512(tile + (b * quads + q) * 64);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, u + r * k4 + q * 4, 4);
+      const __m512i uv = _mm512_set1_epi32(four);
+      for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], uv, wv[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < kBlocks; ++b) _mm512_storeu_si512(dots[r] + b * kLanes, acc[r][b]);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kOutTile; ++j) {
+      const int8_t* group = tile + (j / kLanes) * quads * 64 + (j % kLanes) * 4;
+      int32_t sum = 0;
+      for (int64_t q = 0; q < quads; ++q) {
+        for (int i = 0; i < 4; ++i) sum += u[r * k4 + q * 4 + i] * group[q * 64 + i];
+      }
+      dots[r][j] = sum;
+    }
+  }
+#endif
+}
+
+void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
+              int32_t (*dots)[kOutTile]) {
+  using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t(*)[kOutTile]);
+  static constexpr Tile tiles[] = {dot_tile<1>, dot_tile<2>, dot_tile<3>, dot_tile<4>};
+  tiles[rows - 1](u, k4, tile, dots);
+}
+
+}  // namespace
+
+// The weight w [N, K] int8 in the packed layout: [ceil(N / kOutTile) * 4, K4 / 4, 16, 4].
+torch::Tensor pack_int8(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar, "w must be an int8 [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1), k4 = (k + 3) / 4 * 4;
+  const int64_t np = (n + kOutTile - 1) / kOutTile * kOutTile;
+  auto padded = torch::zeros({np, k4}, w.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
+  return padded.view({np / kLanes, kLanes, k4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// y [M, N] float32 = x [M, K] float32 against the packed int8 weight (see the header).
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scale, const torch::Tensor& code_sums,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
+  const Rows rows = quantise_rows(x.data_ptr<float>(), m, k);
+  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.is_contiguous() &&
+                  packed.size(1) * 4 == rows.k4 && packed.size(0) * kLanes >= n,
+              "packed must be pack_int8 of an int8 [N, K] weight with x's K");
+  auto y = torch::empty({m, n}, x.options());
+  float* out = y.data_ptr<float>();
+  const int8_t* weight = packed.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+  const int32_t* sums = code_sums.data_ptr<int32_t>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t tiles = (n + kOutTile - 1) / kOutTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    int32_t dots[kRowTile][kOutTile];
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* tile = weight + t * kOutTile * rows.k4;
+      const int64_t n0 = t * kOutTile, width = std::min(kOutTile, n - n0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+        const int count = static_cast<int>(std::min<int64_t>(kRowTile, m - r0));
+        dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, tile, dots);
+        for (int r = 0; r < count; ++r) {
+          const float step = rows.step[r0 + r], mid = rows.mid[r0 + r];
+          float* y_row = out + (r0 + r) * n + n0;
+          for (int64_t j = 0; j < width; ++j) {
+            const int32_t centred = dots[r][j] - 128 * sums[n0 + j];
+            y_row[j] = sc[n0 + j] * (step * centred + mid * sums[n0 + j]) + (b ? b[n0 + j] : 0.0f);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+bool has_vnni() {
+#ifdef CACTUS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_int8", &pack_int8, "an int8 [N, K] weight in int8_linear's layout");
+  m.def("int8_linear", &int8_linear, "y = x W^T + b with packed int8 W and per-row uint8 x");
+  m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path was compiled");
+}
