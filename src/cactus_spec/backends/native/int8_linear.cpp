@@ -13,13 +13,13 @@
 // once, with no horizontal sums. A tile of kBlocks * 16 outputs stays in the L2 cache while
 // every tile of input rows passes over it, so the weight is read from memory once per call.
 
-#include <torch/extension.h>
+#include "int8_linear.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -32,35 +32,6 @@ constexpr int64_t kLanes = 16;                // outputs per 64-byte packed grou
 constexpr int kBlocks = 4;                    // packed groups of outputs per tile
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
 constexpr int kRowTile = 4;                   // input rows per pass over a tile
-
-struct Rows {
-  std::vector<uint8_t> u;  // [M, K4] codes, zero padded
-  std::vector<float> mid, step;
-  int64_t k4;  // K rounded up to 4
-};
-
-// Each row of x [M, K] to uint8 codes on its own range (see the header).
-Rows quantise_rows(const float* x, int64_t m, int64_t k) {
-  Rows rows{std::vector<uint8_t>(m * ((k + 3) / 4 * 4), 0), std::vector<float>(m),
-            std::vector<float>(m), (k + 3) / 4 * 4};
-  for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * k;
-    float low = row[0], high = row[0];
-    for (int64_t i = 1; i < k; ++i) {
-      low = std::min(low, row[i]);
-      high = std::max(high, row[i]);
-    }
-    const float step = high > low ? (high - low) / 255.0f : 1.0f;
-    const float inv = 1.0f / step;
-    uint8_t* out = rows.u.data() + r * rows.k4;
-    for (int64_t i = 0; i < k; ++i) {
-      out[i] = static_cast<uint8_t>(std::min(255.0f, (row[i] - low) * inv + 0.5f));
-    }
-    rows.mid[r] = low + 128.0f * step;
-    rows.step[r] = step;
-  }
-  return rows;
-}
 
 // dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile.
 template <int R>
@@ -107,6 +78,29 @@ void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
 
 }  // namespace
 
+// Each row of x [M, K] to uint8 codes on its own range (see the header).
+Rows quantise_rows(const float* x, int64_t m, int64_t k) {
+  Rows rows{std::vector<uint8_t>(m * ((k + 3) / 4 * 4), 0), std::vector<float>(m),
+            std::vector<float>(m), (k + 3) / 4 * 4};
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    float low = row[0], high = row[0];
+    for (int64_t i = 1; i < k; ++i) {
+      low = std::min(low, row[i]);
+      high = std::max(high, row[i]);
+    }
+    const float step = high > low ? (high - low) / 255.0f : 1.0f;
+    const float inv = 1.0f / step;
+    uint8_t* out = rows.u.data() + r * rows.k4;
+    for (int64_t i = 0; i < k; ++i) {
+      out[i] = static_cast<uint8_t>(std::min(255.0f, (row[i] - low) * inv + 0.5f));
+    }
+    rows.mid[r] = low + 128.0f * step;
+    rows.step[r] = step;
+  }
+  return rows;
+}
+
 // The weight w [N, K] int8 in the packed layout: [ceil(N / kOutTile) * 4, K4 / 4, 16, 4].
 torch::Tensor pack_int8(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar, "w must be an int8 [N, K] tensor");
@@ -117,23 +111,15 @@ torch::Tensor pack_int8(const torch::Tensor& w) {
   return padded.view({np / kLanes, kLanes, k4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// y [M, N] float32 = x [M, K] float32 against the packed int8 weight (see the header).
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scale, const torch::Tensor& code_sums,
-                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
-  const Rows rows = quantise_rows(x.data_ptr<float>(), m, k);
-  TORCH_CHECK(packed.scalar_type() == torch::kChar && packed.is_contiguous() &&
-                  packed.size(1) * 4 == rows.k4 && packed.size(0) * kLanes >= n,
+void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
+  const int64_t m = static_cast<int64_t>(rows.step.size()), n = w.scale.size(0);
+  TORCH_CHECK(w.packed.scalar_type() == torch::kChar && w.packed.is_contiguous() &&
+                  w.packed.size(1) * 4 == rows.k4 && w.packed.size(0) * kLanes >= n,
               "packed must be pack_int8 of an int8 [N, K] weight with x's K");
-  auto y = torch::empty({m, n}, x.options());
-  float* out = y.data_ptr<float>();
-  const int8_t* weight = packed.data_ptr<int8_t>();
-  const float* sc = scale.data_ptr<float>();
-  const int32_t* sums = code_sums.data_ptr<int32_t>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int8_t* weight = w.packed.data_ptr<int8_t>();
+  const float* sc = w.scale.data_ptr<float>();
+  const int32_t* sums = w.code_sums.data_ptr<int32_t>();
+  const float* b = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
   const int64_t tiles = (n + kOutTile - 1) / kOutTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     int32_t dots[kRowTile][kOutTile];
@@ -154,6 +140,17 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
       }
     }
   });
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scale, const torch::Tensor& code_sums,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const Rows rows = quantise_rows(x.data_ptr<float>(), x.size(0), x.size(1));
+  auto y = torch::empty({x.size(0), scale.size(0)}, x.options());
+  int8_products(rows, {packed, scale, code_sums, bias.value_or(torch::Tensor())},
+                y.data_ptr<float>());
   return y;
 }
 
@@ -163,10 +160,4 @@ bool has_vnni() {
 #else
   return false;
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_int8", &pack_int8, "an int8 [N, K] weight in int8_linear's layout");
-  m.def("int8_linear", &int8_linear, "y = x W^T + b with packed int8 W and per-row uint8 x");
-  m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path was compiled");
 }
