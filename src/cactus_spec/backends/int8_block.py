@@ -1,13 +1,14 @@
 """A whole decoder block of an int8 model in one native call (``native.int8_block``).
 
 A lean ``Block`` whose seven linear layers are native ``Int8Linear`` spends more of a
-one-token step in its ~40 small tensor operations (norms, rotary embeddings, attention over
-the cache, SwiGLU, each a dispatch through torch) than in its products: on this project's
-Xeon the 0.5B draft's step was 28 ms, of which ~17 ms are products. ``Int8Block`` computes the
-same block, the same per-row int8 products included, in C++: the same law up to float
-rounding (sums in another order), which may move an activation code by one step. It takes
-the block's tensors by reference (nothing is copied) and writes the rows' keys and values
-into the lean ``KVCache`` as the Python block does.
+one-token step in its ~150 small tensor operations (views included: norms, rotary
+embeddings, attention over the cache, SwiGLU, each a dispatch through torch) than in its
+products: on this project's Xeon the 0.5B draft's step was 28 ms, of which ~17 ms are
+products; as ``Int8Block`` it is 21.7 ms. ``Int8Block`` computes the same block, the same
+per-row int8 products included, in C++: the same law up to float rounding (sums in another
+order), which may move an activation code by one step. It takes the block's tensors by
+reference (nothing is copied) and writes the rows' keys and values into the lean
+``KVCache`` as the Python block does.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ times further from bfloat16 than one token). Two kernels compute it:
 - the native kernel (``backends.native``, compiled for this CPU at set-up), which quantises
   the rows inside the call and reads the weight once per call whatever the rows, in a layout
   made for AVX512-VNNI. Each row gives the same bits alone as in any block. On this project's
-  Xeon the 0.5B draft's one-token step takes 28 ms with it (39 ms with fbgemm, 62 ms in
-  bfloat16) and an 11-token block of the 1.5B verifier 118 ms (153 with fbgemm, 163 in
-  bfloat16 on AMX);
+  Xeon the 0.5B draft's one-token step takes 28 ms with it in Python blocks, 21.7 ms with
+  whole blocks in C++ (``int8_block``), against 39 ms with fbgemm and 62 ms in bfloat16;
+  an 11-token block of the 1.5B verifier 118–120 ms (153 with fbgemm, 163 in bfloat16 on
+  AMX);
 - fbgemm's int8 GEMM (where no C++ toolchain is at hand, or ``CACTUS_SPEC_NATIVE=0``), which
   quantises its whole input block with one asymmetric scale. So each row x_r is first centred
   and scaled by its own range, x'_r = (x_r - c_r) / h_r with c_r, h_r the midpoint and
