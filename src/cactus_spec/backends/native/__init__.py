@@ -1,15 +1,20 @@
-"""Native kernels for the decode hot path, compiled for this CPU on first use.
+"""Native kernels for the decode hot path of int8 models, compiled for this CPU at set-up.
 
-``int8_linear(x, w, scale, wsum, bias)``: y = x W^T + b for a few rows x [M, K] (float32)
-against int8 weights w [N, K] with per-row scales, W[n] ~ scale[n] w[n]. Each input row is
-quantised to uint8 on its own range, x[r] ~ lo[r] + step[r] u[r] with u in 0..255, so that
+``int8_linear(x, packed, scale, code_sums, bias)``: y = x W^T + b for a few rows x [M, K]
+(float32) against int8 weights (``pack_int8`` of w [N, K]) with per-row scales,
+W[n] ~ scale[n] w[n]. Each input row is quantised to uint8 on its own range,
+x[r] ~ lo[r] + step[r] u[r] with u in 0..255, so that
 
     y[r, n] = scale[n] (step[r] <u[r], w[n]> + lo[r] sum_k w[n, k]) + b[n],
 
 the integer dot product exact in int32 (AVX512-VNNI's vpdpbusd where the CPU has it, plain
-C++ elsewhere). Unlike a GEMM library it reads the weight once per call whatever the rows
-and does the activation quantisation inside the call, which is what a one-token draft step
-spends its time on.
+C++ elsewhere; computed centred, see int8_linear.cpp). Unlike a GEMM library it reads the
+weight once per call whatever the rows and quantises the rows inside the call, which is
+where a one-token draft step spent its time.
+
+``int8_block(...)``: a whole Qwen2/Llama decoder block of such layers over the lean KV cache
+in one call (``backends.int8_block``), since a Python block's small tensor operations cost
+more than its products at one token.
 
 The extension is built with torch's C++ toolchain (a C++ compiler and ninja) into
 ``$CACTUS_SPEC_CACHE/native/<key>``, the key naming the CPU's flags and torch's version, so
