@@ -122,10 +122,11 @@ class Int8Linear(nn.Module):
             w8 = torch.quantize_per_channel(weight, scale.double(), zero, 0, torch.qint8)
             self.native = native.available()
             if self.native:
-                codes = native.load().pack_int8(w8.int_repr())  # [E_out/16, E_in/4, 16, 4]
-                self.register_buffer("codes", codes)
+                codes = w8.int_repr()  # [E_out, E_in] int8
+                packed = native.load().pack_int8(codes)  # [E_out/16, E_in/4, 16, 4]
+                self.register_buffer("codes", packed)
                 self.register_buffer("scale", scale)  # [E_out]
-                self.register_buffer("code_sums", w8.int_repr().sum(1, dtype=torch.int32))
+                self.register_buffer("code_sums", codes.sum(1, dtype=torch.int32))
             else:
                 self._packed = torch.ops.quantized.linear_prepack(w8, None)
                 self.register_buffer("row_sums", w8.dequantize().sum(1))  # [E_out]

@@ -58,7 +58,11 @@ float dot(const float* a, const float* b, int64_t d) {
   return total;
 }
 
-Int8Weight weight_at(const std::vector<torch::Tensor>& params, size_t first) {
+// The block's linear layers, in the order of params after the two norms, 4 tensors each.
+enum Layer { kQ, kK, kV, kO, kGate, kUp, kDown, kLayers };
+
+Int8Weight weight_at(const std::vector<torch::Tensor>& params, Layer layer) {
+  const size_t first = 2 + 4 * static_cast<size_t>(layer);
   const torch::Tensor& bias = params[first + 3];
   return {params[first], params[first + 1], params[first + 2],
           bias.numel() ? bias : torch::Tensor()};
@@ -77,16 +81,17 @@ torch::Tensor int8_block(const torch::Tensor& x, const torch::Tensor& cos,
                          int64_t kv_heads) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [b, T, E] tensor");
-  TORCH_CHECK(params.size() == 30, "params must hold 2 norms and 7 layers of 4 tensors");
+  TORCH_CHECK(params.size() == 2 + 4 * kLayers,
+              "params must hold 2 norms and 7 layers of 4 tensors");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && cos.is_contiguous() &&
                   sin.is_contiguous(),
               "the cache and the rotary tables must be contiguous");
   const int64_t b = x.size(0), count = x.size(1), e = x.size(2), m = b * count;
   const int64_t d = keys.size(3), capacity = keys.size(2), group = heads / kv_heads;
-  const Int8Weight wq = weight_at(params, 2), wk = weight_at(params, 6),
-                   wv = weight_at(params, 10), wo = weight_at(params, 14),
-                   wg = weight_at(params, 18), wu = weight_at(params, 22),
-                   wd = weight_at(params, 26);
+  const Int8Weight wq = weight_at(params, kQ), wk = weight_at(params, kK),
+                   wv = weight_at(params, kV), wo = weight_at(params, kO),
+                   wg = weight_at(params, kGate), wu = weight_at(params, kUp),
+                   wd = weight_at(params, kDown);
   const int64_t inner = wg.scale.size(0);
   const float* in = x.data_ptr<float>();
   float* key_cache = keys.data_ptr<float>();
