@@ -2,10 +2,12 @@
 after a 200-token context, median and spread over repetitions, configurations alternating.
 
     python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
-        --configs int8:native,int8:fbgemm,int4,none
+        --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn
 
-A configuration is a quantisation (none, int8, int4) and, for int8, the kernel: ``native``
-(cactus_spec.backends.native) or ``fbgemm`` (torch's, the fallback). Each configuration
+A configuration is a quantisation (none, int8, int4) and the kernel: ``native``
+(cactus_spec.backends.native: int8 on AMX tiles where the CPU has them, bfloat16 on AMX
+for none), ``vnni`` (the native int8 kernel without AMX, CACTUS_SPEC_AMX=0) or torch's
+fallback (``fbgemm`` for int8, ``onednn`` for bfloat16). Each configuration
 loads its own copy of the model; the rounds run every configuration once per repetition,
 so drifts of a shared machine fall on all of them alike.
 """
@@ -13,6 +15,7 @@ so drifts of a shared machine fall on all of them alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -26,22 +29,44 @@ from cactus_spec.models import load_model
 CONTEXT = 200
 
 
-def load(model: str, config: str) -> LeanModel:
-    quant, _, kernel = config.partition(":")
-    os.environ["CACTUS_SPEC_NATIVE"] = "0" if kernel == "fbgemm" else "1"
+def environment(config: str) -> dict[str, str]:
+    """The switches a configuration's kernel needs while it loads and runs."""
+    kernel = config.partition(":")[2]
+    return {
+        "CACTUS_SPEC_NATIVE": "0" if kernel in ("fbgemm", "onednn") else "1",
+        "CACTUS_SPEC_AMX": "0" if kernel == "vnni" else "1",
+    }
+
+
+@contextlib.contextmanager
+def switched(config: str):
+    """Run the block with the configuration's kernel switches, then restore them."""
+    saved = {name: os.environ.get(name) for name in environment(config)}
+    os.environ.update(environment(config))
     native.load.cache_clear()
-    lean = LeanModel(load_model(model, quant=quant).model)
-    os.environ.pop("CACTUS_SPEC_NATIVE")
-    native.load.cache_clear()  # the native models find the kernels again
-    return lean
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+        native.load.cache_clear()  # the native models find the kernels again
 
 
-def forward_ms(lean: LeanModel, tokens: int) -> float:
+def load(model: str, config: str) -> LeanModel:
+    with switched(config):
+        return LeanModel(load_model(model, quant=config.partition(":")[0]).model)
+
+
+def forward_ms(lean: LeanModel, config: str, tokens: int) -> float:
     cache = lean.new_cache(1, CONTEXT + tokens)
-    lean(torch.randint(0, 1000, (1, CONTEXT)), cache, keep=1)
-    start = time.perf_counter()
-    lean(torch.randint(0, 1000, (1, tokens)), cache)
-    return (time.perf_counter() - start) * 1e3
+    with switched(config):
+        lean(torch.randint(0, 1000, (1, CONTEXT)), cache, keep=1)
+        start = time.perf_counter()
+        lean(torch.randint(0, 1000, (1, tokens)), cache)
+        return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -60,7 +85,7 @@ def main() -> None:
     for rep in range(args.reps + 1):
         for c in configs:
             for t in sizes:
-                ms = forward_ms(models[c], t)
+                ms = forward_ms(models[c], c, t)
                 if rep:  # the first round warms up
                     times[c, t].append(ms)
     print(f"{args.model}, {args.threads} threads, median [min, max] ms over {args.reps}")

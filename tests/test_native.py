@@ -79,6 +79,66 @@ def test_each_row_gives_the_same_bits_as_alone(m, k, n) -> None:
 def test_bad_shapes_are_refused_with_a_clear_error() -> None:
     codes, scale, bias = _layer(64, 16)
     with pytest.raises(RuntimeError, match="packed must be pack_int8"):
-        _run(torch.randn(2, 60), codes, scale, bias)
+        _run(torch.randn(2, 200), codes, scale, bias)
     with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
         _run(torch.randn(2, 64, dtype=torch.float64), codes, scale, bias)
+
+
+amx = pytest.mark.skipif(
+    not (native.available() and native.load().has_amx()), reason="no AMX on this CPU"
+)
+
+
+def _bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    kernels = native.load()
+    return kernels.bf16_linear(x, kernels.pack_bf16(w), bias)
+
+
+def _bf16_layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+
+
+@amx
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (20, 96, 70)])
+def test_bf16_products_are_float_sums_of_bf16_rows(m, k, n) -> None:
+    """y = round_bf16(sum_k bf16(x) w + b), the sums in float32: within float32 summation
+    error of the exact sums before the final rounding (rows past one AMX tile included)."""
+    w, bias = _bf16_layer(k, n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    got = _bf16(x, w, bias)
+    exact = x.bfloat16().double() @ w.double().T + bias.double()  # [M, N]
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert torch.allclose(got.double(), exact, rtol=2**-8, atol=1e-4 * float(exact.abs().max()))
+    shuffled = _bf16(x, w[torch.randperm(n, generator=torch.Generator().manual_seed(3))], bias)
+    assert not torch.allclose(shuffled.double(), exact, rtol=2**-8)  # control: wrong weights
+
+
+@amx
+def test_bf16_one_hot_rows_read_back_every_weight() -> None:
+    w, _ = _bf16_layer(101, 37)
+    got = _bf16(torch.eye(101), w, torch.zeros(37))  # [K, N]
+    assert torch.equal(got, w.T)
+    swapped = w.clone()
+    swapped[[0, 1]] = w[[1, 0]]  # control: two weight rows in each other's place
+    assert not torch.equal(_bf16(torch.eye(101), swapped, torch.zeros(37)), w.T)
+
+
+@amx
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (37, 96, 70)])
+def test_bf16_each_row_gives_the_same_bits_as_alone(m, k, n) -> None:
+    w, bias = _bf16_layer(k, n)
+    ranges = torch.logspace(-2, 2, m)[:, None]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * ranges
+    together = _bf16(x, w, bias)
+    alone = torch.cat([_bf16(x[r : r + 1], w, bias) for r in range(m)])
+    assert torch.equal(together, alone)
+
+
+@amx
+def test_bf16_bad_shapes_are_refused_with_a_clear_error() -> None:
+    w, bias = _bf16_layer(64, 16)
+    with pytest.raises(RuntimeError, match="packed must be pack_bf16"):
+        _bf16(torch.randn(2, 100), w, bias)
+    with pytest.raises(RuntimeError, match="x must be a float"):
+        _bf16(torch.ones(2, 64, dtype=torch.long), w, bias)

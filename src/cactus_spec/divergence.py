@@ -31,6 +31,7 @@ import torch
 from cactus_spec.audit import kl
 from cactus_spec.backends.base import Backend
 from cactus_spec.backends.load import make_backend
+from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import quant_kernel
 from cactus_spec.cache import cache_dir
 from cactus_spec.files import write_json_atomic
@@ -124,7 +125,8 @@ def measure(
 def _cache_key(loaded: LoadedModel, token_ids: Sequence[int], block: int) -> str:
     text = hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
     model = loaded.sha256 or loaded.identity
-    return f"{model}|{loaded.quant}|{quant_kernel()}|torch {torch.__version__}|{text}|{block}"
+    kernels = f"{quant_kernel()}|bf16 {bf16_kernel()}"
+    return f"{model}|{loaded.quant}|{kernels}|torch {torch.__version__}|{text}|{block}"
 
 
 def _read_cache() -> dict:

@@ -18,9 +18,10 @@ entries beyond it are masked out and overwritten later. So a forward over rows o
 lengths gives each row exactly the logits it would get alone.
 
 Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
-the CPU first has its linear layers repacked for oneDNN, in place (``packed``). Int8 layers
-that read the same input (q, k, v; gate, up) share its row scaling (``quant.project``); a
-block whose layers are all native int8 runs as one native call (``int8_block``).
+the CPU first has its linear layers repacked, in place, for the native AMX kernel or for
+oneDNN (``packed``). Int8 layers that read the same input (q, k, v; gate, up) share its row
+scaling (``quant.project``); a block whose layers are all native int8 or all native
+bfloat16 runs as one native call (``native_block``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from cactus_spec.backends.int8_block import Int8Block
+from cactus_spec.backends.native_block import NativeBlock
 from cactus_spec.backends.packed import pack_linears, packing_available
 from cactus_spec.backends.quant import project
 
@@ -249,8 +250,8 @@ class LeanModel(nn.Module):
         eps = config.rms_norm_eps
         self.embed = inner.embed_tokens
         self.blocks = nn.ModuleList(
-            Int8Block(layer, eps, self.heads, self.kv_heads)
-            if Int8Block.fits(layer)
+            NativeBlock(layer, eps, self.heads, self.kv_heads)
+            if NativeBlock.kind(layer)
             else Block(layer, eps, self.heads, self.kv_heads, self.head_dim)
             for layer in inner.layers
         )

@@ -10,11 +10,11 @@ times further from bfloat16 than one token). Two kernels compute it:
 
 - the native kernel (``backends.native``, compiled for this CPU at set-up), which quantises
   the rows inside the call and reads the weight once per call whatever the rows, in a layout
-  made for AVX512-VNNI. Each row gives the same bits alone as in any block. On this project's
-  Xeon the 0.5B draft's one-token step takes 28 ms with it in Python blocks, 21.7 ms with
-  whole blocks in C++ (``int8_block``), against 39 ms with fbgemm and 62 ms in bfloat16;
-  an 11-token block of the 1.5B verifier 118–120 ms (153 with fbgemm, 163 in bfloat16 on
-  AMX);
+  made for AVX512-VNNI and AMX tiles (blocks of rows). Each row gives the same bits alone as
+  in any block. On this project's Xeon the 0.5B draft's one-token step takes 28 ms with it
+  in Python blocks, 21–22 ms with whole blocks in C++ (``native_block``), against 39 ms with
+  fbgemm and 62 ms in bfloat16; an 11-token block of the 1.5B verifier 88 ms with AMX tiles,
+  114 without (153 with fbgemm, 138 in bfloat16 on AMX);
 - fbgemm's int8 GEMM (where no C++ toolchain is at hand, or ``CACTUS_SPEC_NATIVE=0``), which
   quantises its whole input block with one asymmetric scale. So each row x_r is first centred
   and scaled by its own range, x'_r = (x_r - c_r) / h_r with c_r, h_r the midpoint and
@@ -82,6 +82,8 @@ def quant_kernel() -> str:
     """The int8 path this CPU takes (results that depend on it record it)."""
     if native.available():
         simd = "AVX512-VNNI" if native.load().has_vnni() else "portable C++"
+        if native.load().has_amx():
+            simd = f"AMX tiles for blocks, {simd} for one row"
         return f"native int8 ({simd}), per-channel weights, per-row 8-bit activations"
     bits = 7 if not _cpu_has_vnni() else 8
     return f"fbgemm int8, per-channel weights, per-row {bits}-bit activations"
@@ -141,6 +143,17 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, E_in]
         y = native.load().int8_linear(rows, self.codes, self.scale, self.code_sums, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def block_kind(self) -> str | None:
+        """ "int8" when a native block can run this layer (``native_block``), else None."""
+        return "int8" if self.native else None
+
+    def block_params(self) -> list[Tensor]:
+        """What a native block reads of this layer: codes, scales, code sums, bias (empty:
+        none)."""
+        bias = torch.empty(0) if self.bias is None else self.bias
+        return [self.codes, self.scale, self.code_sums, bias]
 
     def from_unit_rows(self, scaled: UnitRows, lead: torch.Size) -> Tensor:
         """y [*lead, E_out] from the input's ``unit_rows``."""

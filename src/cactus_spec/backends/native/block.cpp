@@ -1,0 +1,267 @@
+// One decoder block (Qwen2/Llama: RMSNorm, rotary embeddings, grouped-query attention,
+// SwiGLU) of native int8 or bfloat16 layers in a single call, the same computation as
+// cactus_spec.backends.lean's Block over a KVCache, for the decode regime where a Python
+// block spends more time in ~40 small tensor operations than in its products:
+//
+//   a = x + o(attend(rope(q(n1)), rope(k(n1)), v(n1)))     n1 = rmsnorm(x) * w1
+//   y = a + down(silu(gate(n2)) * up(n2))                   n2 = rmsnorm(a) * w2
+//
+// The rows' new keys and values are written into the cache at their positions; query t of
+// row i (position p = start_i + t) attends to that row's keys 0..p. The block computes in
+// float32 whatever the model's dtype: its input, norm weights and rotary tables are read as
+// float32, its output is returned in the input's dtype and keys and values are stored in the
+// cache's (a bfloat16 model's block so rounds at its ends and at its products' inputs only,
+// closer to float32 than a Python block that rounds after every operation).
+
+#include "block.h"
+
+#include "linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, rows of length e.
+void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float eps, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * e;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < e; ++i) squares += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(e) + eps);
+    for (int64_t i = 0; i < e; ++i) out[r * e + i] = weight[i] * (row[i] * inv);
+  }
+}
+
+// Rotary embedding in place on `heads` heads of size d: x cos + (-x2, x1) sin.
+void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
+
+// sum_c a[c] b[c] in 16 independent partial sums, which the compiler turns into vector lanes
+// (one running sum would be a chain of dependent additions it may not reorder).
+float dot(const float* a, const float* b, int64_t d) {
+  constexpr int64_t kLanes = 16;
+  float partial[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= d; c += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[c + l] * b[c + l];
+  }
+  float total = 0.0f;
+  for (; c < d; ++c) total += a[c] * b[c];
+  for (int64_t l = 0; l < kLanes; ++l) total += partial[l];
+  return total;
+}
+
+// The two kinds of linear layers a block may be made of, and how the block's params hold
+// each layer: int8 (packed, scale, code_sums, bias or empty) or bfloat16 (packed, bias).
+struct Int8Kernel {
+  using Weight = Int8Weight;
+  using Input = Rows;
+  static constexpr size_t kTensors = 4;
+  static Weight weight(const std::vector<torch::Tensor>& params, size_t first) {
+    const torch::Tensor& bias = params[first + 3];
+    return {params[first], params[first + 1], params[first + 2],
+            bias.numel() ? bias : torch::Tensor()};
+  }
+  static int64_t outputs(const Weight& w) { return w.scale.size(0); }
+  static Input input(const float* x, int64_t m, int64_t k, const Weight&) {
+    return quantise_rows(x, m, k);
+  }
+  static void products(const Input& in, const Weight& w, float* out) {
+    int8_products(in, w, out);
+  }
+};
+
+struct Bf16Kernel {
+  using Weight = Bf16Weight;
+  using Input = Bf16Rows;
+  static constexpr size_t kTensors = 2;
+  static Weight weight(const std::vector<torch::Tensor>& params, size_t first) {
+    return {params[first], params[first + 1]};
+  }
+  static int64_t outputs(const Weight& w) { return w.bias.size(0); }
+  static Input input(const float* x, int64_t m, int64_t k, const Weight& w) {
+    return bf16_rows(x, m, k, w.packed.size(1) * 2);
+  }
+  static void products(const Input& in, const Weight& w, float* out) {
+    bf16_products(in, w, out);
+  }
+};
+
+// The block's linear layers, in the order of params after the two norms.
+enum Layer { kQ, kK, kV, kO, kGate, kUp, kDown, kLayers };
+
+// The rows' tokens, their projections and where they go in the cache.
+struct Tokens {
+  int64_t b, count, heads, kv_heads, d;
+  const std::vector<int64_t>& rows;
+  const std::vector<int64_t>& starts;
+};
+
+// Rotary embeddings on q and k [m, heads | kv_heads, d] in place, then k and v into the
+// cache (element type T) at each row's positions.
+template <typename T>
+void rotate_and_store(const Tokens& tk, float* q, float* k, const float* v, const float* cos,
+                      const float* sin, T* key_cache, T* value_cache, int64_t capacity) {
+  const int64_t d = tk.d;
+  for (int64_t i = 0; i < tk.b; ++i) {
+    for (int64_t t = 0; t < tk.count; ++t) {
+      const int64_t r = i * tk.count + t, at = tk.starts[i] + t;
+      TORCH_CHECK(at < capacity, "a position lies beyond the cache's capacity");
+      rope(q + r * tk.heads * d, tk.heads, d, cos + r * d, sin + r * d);
+      rope(k + r * tk.kv_heads * d, tk.kv_heads, d, cos + r * d, sin + r * d);
+      for (int64_t g = 0; g < tk.kv_heads; ++g) {
+        const int64_t slot = ((tk.rows[i] * tk.kv_heads + g) * capacity + at) * d;
+        const int64_t from = (r * tk.kv_heads + g) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          key_cache[slot + c] = static_cast<T>(k[from + c]);
+          value_cache[slot + c] = static_cast<T>(v[from + c]);
+        }
+      }
+    }
+  }
+}
+
+// The first n entries [n, d] of a cache row as float32: the row itself, or a copy.
+template <typename T>
+const float* as_floats(const T* row, int64_t n, int64_t d, std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    copy.resize(n * d);
+    for (int64_t c = 0; c < n * d; ++c) copy[c] = static_cast<float>(row[c]);
+    return copy.data();
+  }
+}
+
+// attended [m, heads, d]: query t of row i, head h, over key/value head h / group of row i.
+template <typename T>
+void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value_cache,
+            int64_t capacity, float* attended) {
+  const int64_t d = tk.d, group = tk.heads / tk.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  at::parallel_for(0, tk.b * tk.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, key_copy, value_copy;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / tk.kv_heads, g = job % tk.kv_heads;
+      const int64_t seen = tk.starts[i] + tk.count, first = (tk.rows[i] * tk.kv_heads + g) * capacity * d;
+      const float* keys = as_floats(key_cache + first, seen, d, key_copy);
+      const float* values = as_floats(value_cache + first, seen, d, value_copy);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t t = 0; t < tk.count; ++t) {
+          const int64_t r = i * tk.count + t, visible = tk.starts[i] + t + 1;
+          const float* query = q + (r * tk.heads + h) * d;
+          scores.assign(visible, 0.0f);
+          float top = -INFINITY;
+          for (int64_t j = 0; j < visible; ++j) {
+            scores[j] = dot(query, keys + j * d, d) * scale;
+            top = std::max(top, scores[j]);
+          }
+          float total = 0.0f;
+          for (int64_t j = 0; j < visible; ++j) total += scores[j] = std::exp(scores[j] - top);
+          float* out = attended + (r * tk.heads + h) * d;
+          std::fill_n(out, d, 0.0f);
+          for (int64_t j = 0; j < visible; ++j) {
+            const float weight = scores[j] / total;
+            for (int64_t c = 0; c < d; ++c) out[c] += weight * values[j * d + c];
+          }
+        }
+      }
+    }
+  });
+}
+
+// Rotary embeddings, the cache write and attention, for the cache's element type.
+void attention(const Tokens& tk, float* q, float* k, const float* v, const torch::Tensor& cos,
+               const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values,
+               float* attended) {
+  const torch::Tensor c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
+  const int64_t capacity = keys.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, keys.scalar_type(), "attention", [&] {
+    scalar_t* key_cache = keys.data_ptr<scalar_t>();
+    scalar_t* value_cache = values.data_ptr<scalar_t>();
+    rotate_and_store(tk, q, k, v, c.data_ptr<float>(), s.data_ptr<float>(), key_cache,
+                     value_cache, capacity);
+    attend(tk, q, key_cache, value_cache, capacity, attended);
+  });
+}
+
+// The block for a Kernel's layers (arguments: see block.h).
+template <class Kernel>
+torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& keys,
+                            const torch::Tensor& values, const std::vector<int64_t>& rows,
+                            const std::vector<int64_t>& starts,
+                            const std::vector<torch::Tensor>& params, double eps, int64_t heads,
+                            int64_t kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.is_floating_point(), "x must be a float [b, T, E] tensor");
+  TORCH_CHECK(params.size() == 2 + Kernel::kTensors * kLayers,
+              "params must hold 2 norms and 7 layers of ", Kernel::kTensors, " tensors");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() &&
+                  params[0].scalar_type() == torch::kFloat && params[1].scalar_type() == torch::kFloat,
+              "the cache must be contiguous and the norm weights float32");
+  typename Kernel::Weight w[kLayers];
+  for (int layer = 0; layer < kLayers; ++layer) w[layer] = Kernel::weight(params, 2 + Kernel::kTensors * layer);
+  const torch::Tensor input = x.to(torch::kFloat).contiguous();
+  const int64_t b = x.size(0), count = x.size(1), e = x.size(2), m = b * count, d = keys.size(3);
+  const int64_t inner = Kernel::outputs(w[kGate]);
+  const Tokens tokens{b, count, heads, kv_heads, d, rows, starts};
+  const float* in = input.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+
+  std::vector<float> normed(m * e), q(m * heads * d), k(m * kv_heads * d), v(m * kv_heads * d);
+  rms_norm(in, m, e, params[0].data_ptr<float>(), epsilon, normed.data());
+  auto rows_in = Kernel::input(normed.data(), m, e, w[kQ]);
+  Kernel::products(rows_in, w[kQ], q.data());
+  Kernel::products(rows_in, w[kK], k.data());
+  Kernel::products(rows_in, w[kV], v.data());
+  std::vector<float> attended(m * heads * d);
+  attention(tokens, q.data(), k.data(), v.data(), cos, sin, keys, values, attended.data());
+
+  std::vector<float> hidden(m * e), gate(m * inner), up(m * inner), down(m * e);
+  Kernel::products(Kernel::input(attended.data(), m, heads * d, w[kO]), w[kO], hidden.data());
+  for (int64_t i = 0; i < m * e; ++i) hidden[i] += in[i];
+  rms_norm(hidden.data(), m, e, params[1].data_ptr<float>(), epsilon, normed.data());
+  rows_in = Kernel::input(normed.data(), m, e, w[kGate]);
+  Kernel::products(rows_in, w[kGate], gate.data());
+  Kernel::products(rows_in, w[kUp], up.data());
+  for (int64_t i = 0; i < m * inner; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  Kernel::products(Kernel::input(gate.data(), m, inner, w[kDown]), w[kDown], down.data());
+  for (int64_t i = 0; i < m * e; ++i) hidden[i] += down[i];
+  return torch::from_blob(hidden.data(), x.sizes(), torch::kFloat).to(x.scalar_type(), false, true);
+}
+
+}  // namespace
+
+torch::Tensor int8_block(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& keys,
+                         const torch::Tensor& values, const std::vector<int64_t>& rows,
+                         const std::vector<int64_t>& starts,
+                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
+                         int64_t kv_heads) {
+  return decoder_block<Int8Kernel>(x, cos, sin, keys, values, rows, starts, params, eps, heads,
+                                   kv_heads);
+}
+
+torch::Tensor bf16_block(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& keys,
+                         const torch::Tensor& values, const std::vector<int64_t>& rows,
+                         const std::vector<int64_t>& starts,
+                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
+                         int64_t kv_heads) {
+  return decoder_block<Bf16Kernel>(x, cos, sin, keys, values, rows, starts, params, eps, heads,
+                                   kv_heads);
+}

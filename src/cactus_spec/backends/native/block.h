@@ -1,0 +1,23 @@
+// Whole decoder blocks of native layers over the lean KV cache (block.cpp): x [b, T, E];
+// cos, sin [b, 1, T, D]; keys, values: the layer's cache [B, H_kv, S, D]; rows[i], starts[i]:
+// row i's cache row and first position; params: the two norm weights (float32), then each of
+// q, k, v, o, gate, up, down as its kernel holds it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+torch::Tensor int8_block(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& keys,
+                         const torch::Tensor& values, const std::vector<int64_t>& rows,
+                         const std::vector<int64_t>& starts,
+                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
+                         int64_t kv_heads);
+torch::Tensor bf16_block(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& keys,
+                         const torch::Tensor& values, const std::vector<int64_t>& rows,
+                         const std::vector<int64_t>& starts,
+                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
+                         int64_t kv_heads);

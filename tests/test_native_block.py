@@ -1,0 +1,95 @@
+"""A block of native layers run as one native call (``NativeBlock``) computes what the Python
+block computes on the same layers: for int8 layers the same logits up to float rounding, for
+AMX bfloat16 layers logits at least as close to the float32 model's as the Python block's
+(which rounds to bfloat16 after every operation, the native block only at its ends and at
+its products' inputs); on one row and on a batch of rows of different lengths, for Llama and
+for Qwen2 (q/k/v biases), and it writes the same keys and values into the cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_lm
+from test_lean import make_tiny_qwen2
+
+from cactus_spec.backends import native
+from cactus_spec.backends.lean import Block, LeanBackend, LeanModel
+from cactus_spec.backends.native_block import NativeBlock
+from cactus_spec.backends.packed import AmxLinear
+from cactus_spec.backends.quant import quantize
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the native kernels could not be built here"
+)
+
+MODELS = {"llama": make_tiny_lm, "qwen2": make_tiny_qwen2}
+KINDS = [
+    "int8",
+    pytest.param("bf16", marks=pytest.mark.skipif(not AmxLinear.available(), reason="no AMX here")),
+]
+#: Largest |fused - python| / max |python| of the logits. int8: float sums in another order
+#: may move an activation code by one step. bf16: the Python block's roundings after every
+#: operation (the float32 model is the reference, see _check).
+TOLERANCE = {"int8": 1e-4, "bf16": 2e-2}
+
+
+def _fused_and_python(arch: str, kind: str, monkeypatch, seed: int = 0):
+    """The model of ``kind`` with native blocks, with Python blocks, and in float32."""
+    reference = MODELS[arch](seed=seed)
+    model = quantize(copy.deepcopy(reference), "int8") if kind == "int8" else reference.bfloat16()
+    fused = LeanModel(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(NativeBlock, "kind", staticmethod(lambda layer: None))
+        python = LeanModel(model)
+    assert all(isinstance(b, NativeBlock) for b in fused.blocks)
+    assert all(isinstance(b, Block) for b in python.blocks)
+    return fused, python, LeanModel(MODELS[arch](seed=seed))
+
+
+def _gap(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+def _check(kind: str, got, expected, exact) -> None:
+    """got (native) within the kind's tolerance of expected (Python), and for bf16 no
+    further from the float32 logits ``exact`` than the Python block is."""
+    assert _gap(got, expected) < TOLERANCE[kind]
+    if kind == "bf16":
+        assert _gap(got, exact) <= 1.5 * _gap(expected, exact)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", MODELS)
+def test_one_row_prefill_then_steps_gives_the_python_logits(arch, kind, monkeypatch) -> None:
+    models = _fused_and_python(arch, kind, monkeypatch)
+    fused, python, exact = (LeanBackend(m) for m in models)
+    for block in ([3, 17, 42, 8, 99, 1, 5], [6], [7, 8], [9]):
+        _check(kind, fused.append(block), python.append(block), exact.append(block))
+    keys, values = fused.cache.layer(1)
+    expected_keys, expected_values = python.cache.layer(1)
+    assert _gap(keys, expected_keys) < TOLERANCE[kind]
+    assert _gap(values, expected_values) < TOLERANCE[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", MODELS)
+def test_rows_of_different_lengths_each_get_the_python_logits(arch, kind, monkeypatch) -> None:
+    models = _fused_and_python(arch, kind, monkeypatch)
+    fused, python, exact = (LeanBackend(m, batch=3) for m in models)
+    prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [11]]
+    steps = [[1, 2], [4], [12, 13, 14]]
+    for backend in (fused, python, exact):
+        backend.append_ragged(prompts, [0, 1, 2])
+    got, expected, reference = (b.append_ragged(steps, [2, 0, 1]) for b in (fused, python, exact))
+    for a, b, c in zip(got, expected, reference, strict=True):
+        _check(kind, a, b, c)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_control_another_model_is_far_beyond_the_tolerance(kind, monkeypatch) -> None:
+    fused, _, _ = _fused_and_python("llama", kind, monkeypatch)
+    _, other, _ = _fused_and_python("llama", kind, monkeypatch, seed=1)
+    block = [3, 17, 42, 8]
+    assert _gap(LeanBackend(fused).append(block), LeanBackend(other).append(block)) > 0.1
