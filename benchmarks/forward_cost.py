@@ -1,5 +1,6 @@
 """What one lean forward costs: a model at each quantisation and int8 kernel, T new tokens
-after a 200-token context, median and spread over repetitions, configurations alternating.
+after a context of cached tokens (200, or --context; 0 times a prefill), median and spread
+over repetitions, configurations alternating.
 
     python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
         --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn
@@ -60,10 +61,11 @@ def load(model: str, config: str) -> LeanModel:
         return LeanModel(load_model(model, quant=config.partition(":")[0]).model)
 
 
-def forward_ms(lean: LeanModel, config: str, tokens: int) -> float:
-    cache = lean.new_cache(1, CONTEXT + tokens)
+def forward_ms(lean: LeanModel, config: str, tokens: int, context: int) -> float:
+    cache = lean.new_cache(1, context + tokens)
     with switched(config):
-        lean(torch.randint(0, 1000, (1, CONTEXT)), cache, keep=1)
+        if context:
+            lean(torch.randint(0, 1000, (1, context)), cache, keep=1)
         start = time.perf_counter()
         lean(torch.randint(0, 1000, (1, tokens)), cache)
         return (time.perf_counter() - start) * 1e3
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen-coder-0.5b")
     parser.add_argument("--tokens", default="1,11", help="new tokens per forward, e.g. 1,11")
     parser.add_argument("--configs", default="int8:native,int8:fbgemm")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="cached tokens (0: prefill)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -85,7 +88,7 @@ def main() -> None:
     for rep in range(args.reps + 1):
         for c in configs:
             for t in sizes:
-                ms = forward_ms(models[c], c, t)
+                ms = forward_ms(models[c], c, t, args.context)
                 if rep:  # the first round warms up
                     times[c, t].append(ms)
     print(f"{args.model}, {args.threads} threads, median [min, max] ms over {args.reps}")
