@@ -142,3 +142,15 @@ def test_bf16_bad_shapes_are_refused_with_a_clear_error() -> None:
         _bf16(torch.randn(2, 100), w, bias)
     with pytest.raises(RuntimeError, match="x must be a float"):
         _bf16(torch.ones(2, 64, dtype=torch.long), w, bias)
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("bf16", marks=amx)])
+def test_no_rows_give_no_outputs(kind) -> None:
+    """An empty block of rows is an empty product (no division by a tile of no rows)."""
+    if kind == "int8":
+        codes, scale, bias = _layer(64, 16)
+        got = _run(torch.empty(0, 64), codes, scale, bias)
+    else:
+        w, bias = _bf16_layer(64, 16)
+        got = _bf16(torch.empty(0, 64), w, bias)
+    assert got.shape == (0, 16)

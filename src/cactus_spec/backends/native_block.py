@@ -46,8 +46,8 @@ class NativeBlock(nn.Module):
 
     @staticmethod
     def kind(hf_layer: nn.Module) -> str | None:
-        """ "int8" or "bf16" when every linear layer of the block is a native one of that
-        kind, else None."""
+        """The block's native kind, "int8" or "bf16", when every linear layer of the block is
+        a native one of that kind; else None."""
         kinds = {getattr(layer, "block_kind", None) for layer in _layers(hf_layer)}
         return kinds.pop() if len(kinds) == 1 else None
 

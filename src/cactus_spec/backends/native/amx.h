@@ -19,7 +19,45 @@ bool has_amx();
 #ifdef CACTUS_AMX
 // Shape the calling thread's tiles (a thread's own state) for tiles of `rows` input rows.
 void configure_tiles(int64_t rows);
+
+// sums [rows][64] (4-byte sums) of a tile of input rows (row_bytes apart, each row_bytes
+// long, a multiple of 64) against one 64-output stripe of a packed weight (four tiles of
+// 16 outputs, 16 * row_bytes apart, each 64 bytes of 16 outputs' inputs per 64 bytes of a
+// row): float32 sums of bfloat16 pairs (kBf16) or int32 sums of uint8 x int8 quads.
+// (The tile instructions take their tile numbers as literals, hence the macro.)
+#define CACTUS_TILE_DOT(c, b)    \
+  if constexpr (kBf16) {         \
+    _tile_dpbf16ps(c, 4, b);     \
+  } else {                       \
+    _tile_dpbusd(c, 4, b);       \
+  }
+template <bool kBf16>
+void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, void* sums) {
+  const int64_t tile_stride = 16 * row_bytes;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t at = 0; at < row_bytes; at += 64) {
+    const uint8_t* w = stripe + at * 16;
+    _tile_loadd(4, rows + at, row_bytes);
+    _tile_loadd(5, w, 64);
+    CACTUS_TILE_DOT(0, 5)
+    _tile_loadd(6, w + tile_stride, 64);
+    CACTUS_TILE_DOT(1, 6)
+    _tile_loadd(7, w + 2 * tile_stride, 64);
+    CACTUS_TILE_DOT(2, 7)
+    _tile_loadd(5, w + 3 * tile_stride, 64);
+    CACTUS_TILE_DOT(3, 5)
+  }
+  auto* out = static_cast<uint8_t*>(sums);
+  _tile_stored(0, out, 256);
+  _tile_stored(1, out + 64, 256);
+  _tile_stored(2, out + 128, 256);
+  _tile_stored(3, out + 192, 256);
+}
+#undef CACTUS_TILE_DOT
 #endif
 
-// Input rows per AMX tile for a block of m rows.
-inline int64_t tile_rows(int64_t m) { return m < 16 ? m : 16; }
+// Input rows per AMX tile for a block of m rows (at least 1, so no rows make no tiles).
+inline int64_t tile_rows(int64_t m) { return m < 1 ? 1 : m < 16 ? m : 16; }

@@ -31,34 +31,6 @@ constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padd
 constexpr int64_t kKStep = 32;                  // inputs per tile (K is padded to it)
 constexpr int64_t kTileRows = 16;               // input rows per AMX tile at most
 
-#ifdef CACTUS_AMX
-// sums[r][j] = sum_k x[r, k] w[j, k] for a tile of rows (stride k2) and one stripe.
-void stripe_products(const uint16_t* x, int64_t k2, const uint16_t* stripe,
-                     float (*sums)[kOutTile]) {
-  const int64_t tile_stride = k2 / 2 * 32;  // elements between the stripe's 16-output tiles
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < k2; k += kKStep) {
-    const uint16_t* w = stripe + k / 2 * 32;
-    _tile_loadd(4, x + k, k2 * 2);
-    _tile_loadd(5, w, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, w + tile_stride, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, w + 2 * tile_stride, 64);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, w + 3 * tile_stride, 64);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, sums[0], kOutTile * 4);
-  _tile_stored(1, sums[0] + kLanes, kOutTile * 4);
-  _tile_stored(2, sums[0] + 2 * kLanes, kOutTile * 4);
-  _tile_stored(3, sums[0] + 3 * kLanes, kOutTile * 4);
-}
-#endif
-
 }  // namespace
 
 Bf16Rows bf16_rows(const float* x, int64_t m, int64_t k, int64_t k2) {
@@ -98,7 +70,9 @@ void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
       for (int64_t r0 = 0; r0 < m; r0 += tm) {
-        stripe_products(rows.x.data() + r0 * k2, k2, weight + s * kOutTile * k2, sums);
+        const auto* tile_rows_in = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
+        const auto* stripe = reinterpret_cast<const uint8_t*>(weight + s * kOutTile * k2);
+        amx_stripe</*kBf16=*/true>(tile_rows_in, k2 * 2, stripe, sums);
         for (int64_t r = 0; r < std::min(tm, m - r0); ++r) {
           for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = sums[r][j] + bias[n0 + j];
         }

@@ -246,22 +246,5 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
 
 }  // namespace
 
-torch::Tensor int8_block(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin, const torch::Tensor& keys,
-                         const torch::Tensor& values, const std::vector<int64_t>& rows,
-                         const std::vector<int64_t>& starts,
-                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
-                         int64_t kv_heads) {
-  return decoder_block<Int8Kernel>(x, cos, sin, keys, values, rows, starts, params, eps, heads,
-                                   kv_heads);
-}
-
-torch::Tensor bf16_block(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin, const torch::Tensor& keys,
-                         const torch::Tensor& values, const std::vector<int64_t>& rows,
-                         const std::vector<int64_t>& starts,
-                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
-                         int64_t kv_heads) {
-  return decoder_block<Bf16Kernel>(x, cos, sin, keys, values, rows, starts, params, eps, heads,
-                                   kv_heads);
-}
+DecoderBlock* const int8_block = decoder_block<Int8Kernel>;
+DecoderBlock* const bf16_block = decoder_block<Bf16Kernel>;

@@ -9,15 +9,12 @@
 #include <cstdint>
 #include <vector>
 
-torch::Tensor int8_block(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin, const torch::Tensor& keys,
-                         const torch::Tensor& values, const std::vector<int64_t>& rows,
-                         const std::vector<int64_t>& starts,
-                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
-                         int64_t kv_heads);
-torch::Tensor bf16_block(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin, const torch::Tensor& keys,
-                         const torch::Tensor& values, const std::vector<int64_t>& rows,
-                         const std::vector<int64_t>& starts,
-                         const std::vector<torch::Tensor>& params, double eps, int64_t heads,
-                         int64_t kv_heads);
+using DecoderBlock = torch::Tensor(const torch::Tensor& x, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& keys,
+                                   const torch::Tensor& values, const std::vector<int64_t>& rows,
+                                   const std::vector<int64_t>& starts,
+                                   const std::vector<torch::Tensor>& params, double eps,
+                                   int64_t heads, int64_t kv_heads);
+
+extern DecoderBlock* const int8_block;  // int8 layers (int8_linear)
+extern DecoderBlock* const bf16_block;  // bfloat16 layers on AMX tiles (bf16_linear)

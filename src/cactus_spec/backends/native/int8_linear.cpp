@@ -83,33 +83,6 @@ void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
   tiles[rows - 1](u, k4, tile, dots);
 }
 
-#ifdef CACTUS_AMX
-// dots[r][j] = sum_k u[r, k] w[j, k] for a tile of rows (stride k4) and one stripe.
-void amx_dots(const uint8_t* u, int64_t k4, const int8_t* stripe, int32_t (*dots)[kOutTile]) {
-  const int64_t tile_stride = k4 / 4 * 64;  // bytes between the stripe's 16-output tiles
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < k4; k += kKStep) {
-    const int8_t* w = stripe + k / 4 * 64;
-    _tile_loadd(4, u + k, k4);
-    _tile_loadd(5, w, 64);
-    _tile_dpbusd(0, 4, 5);
-    _tile_loadd(6, w + tile_stride, 64);
-    _tile_dpbusd(1, 4, 6);
-    _tile_loadd(7, w + 2 * tile_stride, 64);
-    _tile_dpbusd(2, 4, 7);
-    _tile_loadd(5, w + 3 * tile_stride, 64);
-    _tile_dpbusd(3, 4, 5);
-  }
-  _tile_stored(0, dots[0], kOutTile * 4);
-  _tile_stored(1, dots[0] + kLanes, kOutTile * 4);
-  _tile_stored(2, dots[0] + 2 * kLanes, kOutTile * 4);
-  _tile_stored(3, dots[0] + 3 * kLanes, kOutTile * 4);
-}
-#endif
-
 int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
 
 }  // namespace
@@ -171,7 +144,10 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
       for (int64_t r0 = 0; r0 < m; r0 += step) {
         const int count = static_cast<int>(std::min<int64_t>(step, m - r0));
 #ifdef CACTUS_AMX
-        if (amx) amx_dots(rows.u.data() + r0 * rows.k4, rows.k4, stripe, dots);
+        if (amx) {
+          const auto* weights = reinterpret_cast<const uint8_t*>(stripe);
+          amx_stripe</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, rows.k4, weights, dots);
+        }
 #endif
         if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
         for (int r = 0; r < count; ++r) {
