@@ -45,6 +45,7 @@ def switched(config: str):
     saved = {name: os.environ.get(name) for name in environment(config)}
     os.environ.update(environment(config))
     native.load.cache_clear()
+    native.load()  # found again here, not inside a timed forward
     try:
         yield
     finally:
