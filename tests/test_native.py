@@ -1,6 +1,7 @@
-"""The native int8 kernel: its packing holds the weights in place, its products are the
-exact algebra of per-row uint8 codes against int8 weights, and each row of a block gives
-the same bits as alone (batch invariance), on shapes the packing must pad."""
+"""The native kernels: their packing holds the weights in place, the int8 and int4 products
+are the exact algebra of per-row uint8 codes against int8 or grouped int4 weights (bf16: float
+sums of bfloat16 rows), and each row of a block gives the same bits as alone (batch
+invariance), on shapes the packing must pad."""
 
 from __future__ import annotations
 
@@ -66,13 +67,15 @@ def test_one_hot_rows_read_back_every_weight() -> None:
     assert float((_run(torch.eye(101), swapped, scale, None) - weights).abs().max()) > tolerance
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_each_row_gives_the_same_bits_as_alone(m, k, n) -> None:
-    codes, scale, bias = _layer(k, n)
+def test_each_row_gives_the_same_bits_as_alone(m, k, n, kind) -> None:
+    layer = _layer(k, n) if kind == "int8" else _int4_layer(k, n)
+    run = _run if kind == "int8" else _run4
     ranges = torch.logspace(-2, 2, m)[:, None]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * ranges
-    together = _run(x, codes, scale, bias)
-    alone = torch.cat([_run(x[r : r + 1], codes, scale, bias) for r in range(m)])
+    together = run(x, *layer)
+    alone = torch.cat([run(x[r : r + 1], *layer) for r in range(m)])
     assert torch.equal(together, alone)
 
 
@@ -82,6 +85,69 @@ def test_bad_shapes_are_refused_with_a_clear_error() -> None:
         _run(torch.randn(2, 200), codes, scale, bias)
     with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
         _run(torch.randn(2, 64, dtype=torch.float64), codes, scale, bias)
+
+
+def _int4_layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random int4 codes [N, K] (uint8 0..15), float16 scales and low ends [N, G], a bias [N]."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // 64)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, groups, generator=g) / 100).half()
+    low = (torch.randn(n, groups, generator=g) / 10).half()
+    return codes, scale, low, torch.randn(n, generator=g)
+
+
+def _run4(x: torch.Tensor, codes, scale, low, bias) -> torch.Tensor:
+    kernels = native.load()
+    packed, scales = kernels.pack_int4(codes, scale, low)
+    return kernels.int4_linear(x, packed, scales, torch.zeros(len(codes)) if bias is None else bias)
+
+
+def _reference4(x: torch.Tensor, codes, scale, low, bias) -> torch.Tensor:
+    """Each row to int8 codes on its symmetric range, x ~ step v, then the float product with
+    the weights low + scale * code: [M, N]."""
+    k = codes.shape[1]
+    step = x.abs().amax(1, keepdim=True) / 127  # [M, 1]
+    v = (x * (1 / step)).round().clamp(-127, 127)  # the kernel's rounding (half to even)
+    weights = low.double().repeat_interleave(64, 1)[:, :k]  # [N, K]
+    weights += scale.double().repeat_interleave(64, 1)[:, :k] * codes.double()
+    return (step * v).double() @ weights.T + bias
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_int4_products_are_the_algebra_of_per_row_codes(m, k, n) -> None:
+    codes, scale, low, bias = _int4_layer(k, n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
+    expected = _reference4(x, codes, scale, low, bias)
+    tolerance = 1e-5 * float(expected.abs().max())
+    assert float((_run4(x, codes, scale, low, bias) - expected).abs().max()) < tolerance
+    flipped = codes.clone()
+    flipped[:, -1] ^= 1  # control: one input's codes one step off in every output
+    assert float((_run4(x, flipped, scale, low, bias) - expected).abs().max()) > 10 * tolerance
+
+
+def test_int4_one_hot_rows_read_back_every_weight() -> None:
+    """An identity input is quantised exactly (v = 127 step), so the products are the
+    weights low + s c: the packing put every code, scale and low end where the kernel looks
+    for it."""
+    codes, scale, low, _ = _int4_layer(101, 70)
+    lows = low.float().repeat_interleave(64, 1)[:, :101]
+    weights = (lows + scale.float().repeat_interleave(64, 1)[:, :101] * codes.float()).T
+    got = _run4(torch.eye(101), codes, scale, low, None)  # [K, N]
+    tolerance = 1e-5 * float(weights.abs().max())
+    assert float((got - weights).abs().max()) < tolerance
+    swapped = codes.clone()
+    swapped[[0, 69]] = codes[[69, 0]]  # control: two weight rows in each other's place
+    wrong = _run4(torch.eye(101), swapped, scale, low, None)
+    assert float((wrong - weights).abs().max()) > tolerance
+
+
+def test_int4_bad_shapes_are_refused_with_a_clear_error() -> None:
+    codes, scale, low, bias = _int4_layer(64, 16)
+    with pytest.raises(RuntimeError, match="packed and scales must be pack_int4"):
+        _run4(torch.randn(2, 200), codes, scale, low, bias)
+    with pytest.raises(RuntimeError, match="scale and low must be float16"):
+        native.load().pack_int4(codes, scale.float(), low)
 
 
 amx = pytest.mark.skipif(
@@ -144,12 +210,14 @@ def test_bf16_bad_shapes_are_refused_with_a_clear_error() -> None:
         _bf16(torch.ones(2, 64, dtype=torch.long), w, bias)
 
 
-@pytest.mark.parametrize("kind", ["int8", pytest.param("bf16", marks=amx)])
+@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("bf16", marks=amx)])
 def test_no_rows_give_no_outputs(kind) -> None:
     """An empty block of rows is an empty product (no division by a tile of no rows)."""
     if kind == "int8":
         codes, scale, bias = _layer(64, 16)
         got = _run(torch.empty(0, 64), codes, scale, bias)
+    elif kind == "int4":
+        got = _run4(torch.empty(0, 64), *_int4_layer(64, 16))
     else:
         w, bias = _bf16_layer(64, 16)
         got = _bf16(torch.empty(0, 64), w, bias)

@@ -1,9 +1,9 @@
-"""A block of native layers run as one native call (``NativeBlock``) computes what the Python
-block computes on the same layers: for int8 layers the same logits up to float rounding, for
-AMX bfloat16 layers logits at least as close to the float32 model's as the Python block's
-(which rounds to bfloat16 after every operation, the native block only at its ends and at
-its products' inputs); on one row and on a batch of rows of different lengths, for Llama and
-for Qwen2 (q/k/v biases), and it writes the same keys and values into the cache."""
+"""A block of native layers run as one native call (``NativeBlock``) computes what the Python block
+computes on the same layers: for int8 and int4 layers the same logits up to float rounding, for
+AMX bfloat16 layers logits at least as close to the float32 model's as the Python block's (which
+rounds to bfloat16 after every operation, the native block only at its ends and at its products'
+inputs); on one row and on a batch of rows of different lengths, for Llama and for Qwen2 (q/k/v
+biases), and it writes the same keys and values into the cache."""
 
 from __future__ import annotations
 
@@ -27,18 +27,20 @@ pytestmark = pytest.mark.skipif(
 MODELS = {"llama": make_tiny_lm, "qwen2": make_tiny_qwen2}
 KINDS = [
     "int8",
+    "int4",
     pytest.param("bf16", marks=pytest.mark.skipif(not AmxLinear.available(), reason="no AMX here")),
 ]
-#: Largest |fused - python| / max |python| of the logits. int8: float sums in another order
+#: Largest |fused - python| / max |python| of the logits. int8, int4: float sums in another order
 #: may move an activation code by one step. bf16: the Python block's roundings after every
 #: operation (the float32 model is the reference, see _check).
-TOLERANCE = {"int8": 1e-4, "bf16": 2e-2}
+TOLERANCE = {"int8": 1e-4, "int4": 1e-4, "bf16": 2e-2}
 
 
 def _fused_and_python(arch: str, kind: str, monkeypatch, seed: int = 0):
     """The model of ``kind`` with native blocks, with Python blocks, and in float32."""
     reference = MODELS[arch](seed=seed)
-    model = quantize(copy.deepcopy(reference), "int8") if kind == "int8" else reference.bfloat16()
+    quantised = kind in ("int8", "int4")
+    model = quantize(copy.deepcopy(reference), kind) if quantised else reference.bfloat16()
     fused = LeanModel(model)
     with monkeypatch.context() as patch:
         patch.setattr(NativeBlock, "kind", staticmethod(lambda layer: None))

@@ -1,8 +1,8 @@
 """Int8 linear layers (with the native kernel and with fbgemm's): close to float, each row of a
-block as if alone, the same numbers when layers share an input's scaling; int4 layers: every
-weight within half a step of its group, close to float; packed bf16 layers: the same
-products; the divergence measure of a quantised verifier is 0 against itself and grows with
-the quantisation error."""
+block as if alone, the same numbers when layers share an input's scaling; int4 layers (native
+and torch's kernel): every weight within half a step of its group, close to float; packed bf16
+layers: the same products; the divergence measure of a quantised verifier is 0 against itself
+and grows with the quantisation error."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from torch import nn
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.packed import AmxLinear, PackedLinear, packing_available
-from cactus_spec.backends.quant import INT4_GROUP, Int4Linear, Int8Linear, project, quantize
+from cactus_spec.backends.quant import (
+    INT4_GROUP,
+    NATIVE_INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    project,
+    quantize,
+)
 from cactus_spec.divergence import PREFIX_TOKENS, measure
 from cactus_spec.models import load_model
 
@@ -40,10 +47,11 @@ def _block(seed: int = 1) -> torch.Tensor:
     return torch.randn(6, IN) * scales + offsets
 
 
-@pytest.fixture(params=["native", "fbgemm"])
-def int8_kernel(request, monkeypatch) -> str:
-    """Int8 layers made in the test use this kernel (native: cactus_spec.backends.native)."""
-    if request.param == "fbgemm":
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch) -> str:
+    """Quantised layers made in the test use this kernel (native: cactus_spec.backends.native;
+    torch: fbgemm's int8, torch's int4)."""
+    if request.param == "torch":
         monkeypatch.setenv("CACTUS_SPEC_NATIVE", "0")
     native.load.cache_clear()
     if request.param == "native" and not native.available():
@@ -57,14 +65,14 @@ def _relative_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return (got - expected).norm(dim=-1) / expected.norm(dim=-1)
 
 
-def test_int8_linear_is_close_to_float_for_every_row(int8_kernel) -> None:
+def test_int8_linear_is_close_to_float_for_every_row(kernel) -> None:
     layer, x = _linear(), _block()
     with torch.no_grad():
         errors = _relative_errors(Int8Linear(layer)(x), layer(x))
     assert float(errors.max()) < 0.02, errors
 
 
-def test_each_row_of_a_block_is_quantised_as_if_alone(int8_kernel) -> None:
+def test_each_row_of_a_block_is_quantised_as_if_alone(kernel) -> None:
     layer, x = _linear(), _block()
     int8 = Int8Linear(layer)
     together = int8(x)  # [6, OUT]
@@ -88,23 +96,23 @@ def test_negative_control_one_range_per_block_is_not_as_if_alone() -> None:
     assert float(_relative_errors(together, alone).max()) > 0.1
 
 
-def test_leading_dimensions_and_dtypes_are_kept(int8_kernel) -> None:
+def test_leading_dimensions_and_dtypes_are_kept(kernel) -> None:
     layer = _linear()
     x = torch.randn(2, 3, IN, dtype=torch.bfloat16)
     int8 = Int8Linear(layer)
     y = int8(x)
     assert y.shape == (2, 3, OUT) and y.dtype == torch.float32
-    assert int8.native == (int8_kernel == "native")
+    assert int8.native == (kernel == "native")
 
 
-def test_quantize_int8_swaps_every_linear(int8_kernel) -> None:
+def test_quantize_int8_swaps_every_linear(kernel) -> None:
     model = quantize(make_tiny_lm(), "int8")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears == []
     assert any(isinstance(m, Int8Linear) for m in model.modules())
 
 
-def test_layers_sharing_an_input_give_the_same_numbers_bit_for_bit(int8_kernel) -> None:
+def test_layers_sharing_an_input_give_the_same_numbers_bit_for_bit(kernel) -> None:
     layers = [Int8Linear(_linear(seed)) for seed in range(3)]
     x = _block().reshape(2, 3, IN)
     for shared, alone in zip(project(x, layers), [layer(x) for layer in layers], strict=True):
@@ -120,45 +128,53 @@ def _int4_weights_seen_by_the_kernel(int4: Int4Linear) -> torch.Tensor:
     return int4(torch.eye(IN)).float().T
 
 
-def _group_steps(weight: torch.Tensor) -> torch.Tensor:
+def _group_steps(weight: torch.Tensor, group: int) -> torch.Tensor:
     """Each weight's quantisation step (max - min) / 15 of its group: [OUT, IN]."""
-    groups = weight.reshape(weight.shape[0], -1, INT4_GROUP)
+    groups = weight.reshape(weight.shape[0], -1, group)
     steps = (groups.amax(-1) - groups.amin(-1)) / 15  # [OUT, G]
-    return steps.repeat_interleave(INT4_GROUP, dim=1)
+    return steps.repeat_interleave(group, dim=1)
 
 
-def test_int4_weights_lie_within_half_a_step_of_their_group() -> None:
+def test_int4_weights_lie_within_half_a_step_of_their_group(kernel) -> None:
     """Every weight the kernel uses is the original within half its group's step (plus the
-    bfloat16 rounding of scale, offset and product); one step off fails (control)."""
+    rounding of scale, offset and product: bfloat16 with torch's kernel, float16 and float32
+    with the native one); one step off fails (control)."""
     layer = _linear()
     layer.bias = None  # the products with the identity are then the weights alone
     weight = layer.weight.detach()
     seen = _int4_weights_seen_by_the_kernel(Int4Linear(layer))
-    steps, slack = _group_steps(weight), 2**-7 * weight.abs().amax(1, keepdim=True)
+    group = NATIVE_INT4_GROUP if kernel == "native" else INT4_GROUP
+    steps, slack = _group_steps(weight, group), 2**-7 * weight.abs().amax(1, keepdim=True)
     assert ((seen - weight).abs() <= steps / 2 + slack).all()
     shifted = seen.clone()
     shifted[0, 0] += steps[0, 0]
     assert not ((shifted - weight).abs() <= steps / 2 + slack).all()
 
 
-def test_int4_linear_is_close_to_float_and_keeps_shapes() -> None:
+def test_int4_linear_is_close_to_float_and_keeps_shapes(kernel) -> None:
     layer, x = _linear(), _block()
     int4 = Int4Linear(layer)
+    assert int4.native == (kernel == "native")
     with torch.no_grad():
         errors = _relative_errors(int4(x).float(), layer(x))
     assert float(errors.max()) < 0.1, errors
     y = int4(x.reshape(2, 3, IN))
-    assert y.shape == (2, 3, OUT) and y.dtype == torch.bfloat16
+    expected_dtype = torch.float32 if kernel == "native" else torch.bfloat16
+    assert y.shape == (2, 3, OUT) and y.dtype == expected_dtype
 
 
-def test_quantize_int4_swaps_the_layers_the_kernel_takes() -> None:
+def test_quantize_int4_swaps_the_layers_a_kernel_takes(kernel) -> None:
+    """torch's kernel leaves a layer of 120 outputs dense (the rest of the model bfloat16);
+    the native one takes it (the rest float32)."""
     model = make_tiny_lm()
     model.model.layers[0].mlp.gate_proj = nn.Linear(64, 120, bias=False)  # 120 % 16 != 0
     quantize(model, "int4")
-    dense = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert [tuple(m.weight.shape) for m in dense] == [(120, 64)]
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2 * 7 + 1 - 1
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    dense = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+    native_kernel = kernel == "native"
+    assert dense == ([] if native_kernel else [(120, 64)])
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2 * 7 + 1 - len(dense)
+    rest = torch.float32 if native_kernel else torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {rest}
     with pytest.raises(ValueError, match="quant must be one of none, int8, int4, got 'int2'"):
         quantize(model, "int2")
 
@@ -177,7 +193,7 @@ def test_divergence_of_a_model_from_itself_is_zero() -> None:
 
 
 @pytest.mark.parametrize(("quant", "bound"), [("int8", 0.01), ("int4", 0.1)])
-def test_divergence_of_a_quantised_model_is_small_and_positive(quant, bound, int8_kernel) -> None:
+def test_divergence_of_a_quantised_model_is_small_and_positive(quant, bound, kernel) -> None:
     reference = make_tiny_lm()
     quantised = quantize(copy.deepcopy(reference), quant)
     result = measure(

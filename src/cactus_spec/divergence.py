@@ -32,7 +32,7 @@ from cactus_spec.audit import kl
 from cactus_spec.backends.base import Backend
 from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.packed import bf16_kernel
-from cactus_spec.backends.quant import quant_kernel
+from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.cache import cache_dir
 from cactus_spec.files import write_json_atomic
 from cactus_spec.models import LoadedModel, load_model
@@ -125,7 +125,7 @@ def measure(
 def _cache_key(loaded: LoadedModel, token_ids: Sequence[int], block: int) -> str:
     text = hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
     model = loaded.sha256 or loaded.identity
-    kernels = f"{quant_kernel()}|bf16 {bf16_kernel()}"
+    kernels = f"{quant_kernel()}|{int4_kernel()}|bf16 {bf16_kernel()}"
     return f"{model}|{loaded.quant}|{kernels}|torch {torch.__version__}|{text}|{block}"
 
 

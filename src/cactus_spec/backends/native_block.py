@@ -1,5 +1,6 @@
 """A whole decoder block of native layers in one native call (``native.int8_block`` for
-int8 layers, ``native.bf16_block`` for AMX bfloat16 ones).
+int8 layers, ``native.int4_block`` for int4 ones, ``native.bf16_block`` for AMX bfloat16
+ones).
 
 A lean ``Block`` of native layers spends more of a one-token step in its ~150 small tensor
 operations (views included: norms, rotary embeddings, attention over the cache, SwiGLU,
@@ -7,7 +8,7 @@ each a dispatch through torch) than in its products: on this project's Xeon the 
 draft's step was 28 ms, of which ~17 ms are products; as a ``NativeBlock`` it is 21.7 ms.
 ``NativeBlock`` computes the same block, the same products included, in C++ and in float32
 whatever the model's dtype (see ``native/block.cpp``): the same law up to float rounding
-(sums in another order, which may move an int8 activation code by one step; a bfloat16
+(sums in another order, which may move an activation code by one step; a bfloat16
 model's block rounds at its ends and at its products' inputs only). It takes the layers'
 tensors by reference (nothing is copied) and writes the rows' keys and values into the
 lean ``KVCache`` as the Python block does.
@@ -29,8 +30,8 @@ def _layers(hf_layer: nn.Module) -> list[nn.Module]:
 
 
 class NativeBlock(nn.Module):
-    """lean.Block's computation for a block whose linear layers are all native int8 or all
-    native bfloat16 (``kind``)."""
+    """lean.Block's computation for a block whose linear layers are all native layers of one
+    kind: int8, int4 or bfloat16 (``kind``)."""
 
     def __init__(self, hf_layer: nn.Module, eps: float, heads: int, kv_heads: int) -> None:
         super().__init__()
@@ -46,8 +47,8 @@ class NativeBlock(nn.Module):
 
     @staticmethod
     def kind(hf_layer: nn.Module) -> str | None:
-        """The block's native kind, "int8" or "bf16", when every linear layer of the block is
-        a native one of that kind; else None."""
+        """The block's native kind, "int8", "int4" or "bf16", when every linear layer of the
+        block is a native one of that kind; else None."""
         kinds = {getattr(layer, "block_kind", None) for layer in _layers(hf_layer)}
         return kinds.pop() if len(kinds) == 1 else None
 

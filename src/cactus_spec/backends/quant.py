@@ -30,17 +30,24 @@ times further from bfloat16 than one token). Two kernels compute it:
 
 The rest of the model runs in float32 around these layers.
 
-Int4. Each weight row is cut into groups of ``INT4_GROUP`` inputs (as GGUF's Q4 blocks are);
-group g of row c holds codes u in 0..15 with w = low + u * s, s = (max - min) / 15 of the
-group, and torch's CPU kernel computes x W^T from them with bfloat16 activations (no
-activation quantisation). On this project's Xeon the 0.5B draft's one-token step takes 30 ms
-in int4 against 38 ms in int8 (62 ms in bfloat16), but the kernel's cost grows with the rows
-(11 tokens: 85 against 63 ms): a format for the one-row draft step, not for verification
-blocks or wide batches. In the engine the draft's time per drafted token drops only from 42
-to 39.5 ms, and end to end the int4 draft is level with int8 (its acceptance is a little
-lower), so int8 stays the default. A layer whose
-shape the kernel refuses (outputs not a multiple of 16, inputs not of the group) stays
-dense. The model runs in bfloat16 around these layers.
+Int4. Each weight row is cut into groups of inputs (as GGUF's Q4 blocks are); group g of
+row c holds codes u in 0..15 with w = low + u * s, s = (max - min) / 15 of the group. Two
+kernels compute it:
+
+- the native kernel (``native/int4_linear.cpp``), groups of ``NATIVE_INT4_GROUP`` inputs with
+  float16 s and low, each input row quantised to int8 symmetrically on its own range
+  (x ~ step v, v in -127..127), the products summed exactly in int32 per group
+  (AVX512-VNNI, two codes per byte), then y = step sum_g (s <c, v>_g + low sum_g v). It reads
+  half the bytes of int8 per weight (plus 4 bytes of s and low per group), which is what a
+  one-row draft step is bound by, and computes a row the same way whatever the other rows; a
+  block of such layers runs as one native call (``native_block``), the rest of the model in
+  float32. Its cost grows with the rows (no AMX tiles): a format for the one-row draft step,
+  not for verification blocks or wide batches;
+- torch's CPU kernel (where the native one is not built), groups of ``INT4_GROUP``, bfloat16
+  activations, the rest of the model in bfloat16; a layer whose shape it refuses (outputs not
+  a multiple of 16, inputs not of the group) stays dense. On this project's Xeon it made the
+  0.5B draft's step 30 ms against 38 ms for fbgemm's int8 (62 ms in bfloat16), level with
+  int8 end to end.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ QUANTS = ("none", "int8", "int4")
 
 #: Inputs per int4 group: the smallest torch's kernel takes, and the fastest at one row here.
 INT4_GROUP = 32
+#: Inputs per int4 group of the native kernel (``native/int4_linear.cpp``).
+NATIVE_INT4_GROUP = 64
 
 
 def check_quant(quant: object, name: str = "quant") -> str:
@@ -87,6 +96,14 @@ def quant_kernel() -> str:
         return f"native int8 ({simd}), per-channel weights, per-row 8-bit activations"
     bits = 7 if not _cpu_has_vnni() else 8
     return f"fbgemm int8, per-channel weights, per-row {bits}-bit activations"
+
+
+def int4_kernel() -> str:
+    """The int4 path this CPU takes (results that depend on it record it)."""
+    if native.available():
+        simd = "AVX512-VNNI" if native.load().has_vnni() else "portable C++"
+        return f"native int4 ({simd}), groups of {NATIVE_INT4_GROUP}, per-row 8-bit activations"
+    return f"torch int4, groups of {INT4_GROUP}, bfloat16 activations"
 
 
 #: An input's rows scaled to [-1, 1]: (x' [M, E_in], c [M, 1], h [M, 1]), x = c + h x'.
@@ -169,49 +186,86 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """A linear layer with 4-bit weights in groups of ``INT4_GROUP`` inputs, each group with
-    its own scale and offset: x [..., E_in] (any float dtype) -> y [..., E_out] bfloat16. See
-    the module docstring."""
+    """A linear layer with 4-bit weights in groups of inputs, each group with its own scale
+    and low end: x [..., E_in] (any float dtype) -> y [..., E_out] (float32 with the native
+    kernel, else bfloat16). See the module docstring."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [E_out, E_in]
-        rows, inputs = weight.shape
-        groups = weight.reshape(rows, inputs // INT4_GROUP, INT4_GROUP)  # [E_out, G, g]
-        low, high = groups.amin(-1), groups.amax(-1)  # [E_out, G] each
-        scale = ((high - low) / 15).clamp_min(1e-12)  # [E_out, G]
-        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
-        codes = codes.to(torch.int32).reshape(rows, inputs)  # [E_out, E_in]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self.register_buffer("packed", packed)  # [E_out, E_in / 2] uint8
-        offset = low + 8 * scale  # the kernel reads a code u as (u - 8) * scale + offset
-        scales = torch.stack((scale, offset), -1).transpose(0, 1).contiguous()  # [G, E_out, 2]
-        self.register_buffer("scales", scales.to(torch.bfloat16))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.native = native.available()
+        if self.native:
+            codes, scale, low = int4_codes(weight, NATIVE_INT4_GROUP, torch.float16)
+            packed, scales = native.load().pack_int4(codes, scale, low)
+            self.register_buffer("packed", packed)  # [E_out/64, G, 4, 8, 16, 4] uint8
+            self.register_buffer("scales", scales)  # [E_out/64, G, 2, 64] float16 bits (int16)
+            bias = torch.zeros(self.out_features) if linear.bias is None else linear.bias.detach()
+            bias = bias.float()  # [E_out]
+        else:
+            codes, scale, low = int4_codes(weight, INT4_GROUP, torch.float32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+            self.register_buffer("packed", packed)  # [E_out, E_in / 2] uint8
+            offset = low + 8 * scale  # the kernel reads a code u as (u - 8) * scale + offset
+            scales = torch.stack((scale, offset), -1).transpose(0, 1).contiguous()  # [G, E_out, 2]
+            self.register_buffer("scales", scales.to(torch.bfloat16))
+            bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         self.register_buffer("bias", bias)
-        self.in_features, self.out_features = inputs, rows
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
-        """Whether the kernel takes this layer's shape."""
+        """Whether a kernel takes this layer's shape (the native one takes any)."""
         rows, inputs = linear.weight.shape
-        return rows % 16 == 0 and inputs % INT4_GROUP == 0
+        return native.available() or (rows % 16 == 0 and inputs % INT4_GROUP == 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, E_in]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
+        if self.native:
+            rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, E_in]
+            load = native.load()
+            y = load.int4_linear(rows, self.packed, self.scales, self.bias)
+        else:
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, E_in]
+            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = int4_mm(rows, self.packed, INT4_GROUP, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def block_kind(self) -> str | None:
+        """ "int4" when a native block can run this layer (``native_block``), else None."""
+        return "int4" if self.native else None
+
+    def block_params(self) -> list[Tensor]:
+        """What a native block reads of this layer: codes, scales, bias."""
+        return [self.packed, self.scales, self.bias]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4"
 
 
+def int4_codes(weight: Tensor, group: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """weight [N, K] float32 as 4-bit codes in groups of ``group`` inputs (K zero padded to
+    whole groups): (codes [N, K] uint8 in 0..15, scale [N, G], low [N, G]), the scales and low
+    ends in ``dtype``, so that weight ~ low + scale * codes group by group, with the codes
+    rounded against the stored (``dtype``) scale and low end."""
+    rows, inputs = weight.shape
+    padded = nn.functional.pad(weight, (0, -inputs % group))  # [N, G * group]
+    groups = padded.reshape(rows, -1, group)  # [N, G, group]
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, G] each
+    tiny = torch.finfo(dtype).tiny  # the smallest normal number of dtype
+    scale = ((high - low) / 15).clamp_min(tiny).to(dtype)
+    low = low.to(dtype)
+    codes = ((groups - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+    codes = codes.reshape(rows, -1)[:, :inputs].to(torch.uint8)  # [N, K]
+    return codes, scale, low
+
+
 def quantize(model: nn.Module, quant: str) -> nn.Module:
-    """Replace the nn.Linear layers of ``model`` (in place) by ``quant`` ones ("int8": every
-    layer, the rest of the model in float32; "int4": every layer the kernel takes, the rest
-    in bfloat16); "none" leaves the model as it is. CPU only. Layers are quantised one at a
+    """Replace the nn.Linear layers of ``model`` (in place) by ``quant`` ones ("int8", or
+    "int4" with the native kernel: every layer, the rest of the model in float32; "int4" with
+    torch's kernel: every layer it takes, the rest in bfloat16); "none" leaves the model as it
+    is. CPU only. Layers are quantised one at a
     time from their own dtype, so the whole model never exists in float32 at once."""
     if check_quant(quant) == "none":
         return model
@@ -223,7 +277,7 @@ def quantize(model: nn.Module, quant: str) -> nn.Module:
                 setattr(module, name, Int8Linear(child))
             elif Int4Linear.fits(child):
                 setattr(module, name, Int4Linear(child))
-    if quant == "int8":
+    if quant == "int8" or native.available():
         model.float()  # new float32 copies of the rest: the checkpoint's map is let go
         trim_heap()  # the float32 copies made while quantising
         return model

@@ -10,7 +10,7 @@ import transformers
 
 import cactus_spec
 from cactus_spec.backends.packed import bf16_kernel
-from cactus_spec.backends.quant import quant_kernel
+from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.cache import file_sha256
 from cactus_spec.models import LoadedModel
 
@@ -52,5 +52,5 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "cpu_kernels": {"int8": quant_kernel(), "bf16": bf16_kernel()},
+        "cpu_kernels": {"int8": quant_kernel(), "int4": int4_kernel(), "bf16": bf16_kernel()},
     }

@@ -1,5 +1,5 @@
-"""Native kernels for the decode hot path of int8 and bfloat16 models, compiled for this
-CPU at set-up.
+"""Native kernels for the decode hot path of int8, int4 and bfloat16 models, compiled for
+this CPU at set-up.
 
 ``int8_linear(x, packed, scale, code_sums, bias)``: y = x W^T + b for a few rows x [M, K]
 (float32) against int8 weights (``pack_int8`` of w [N, K]) with per-row scales,
@@ -14,13 +14,23 @@ int8_linear.cpp). Unlike a GEMM library it reads the weight once per call whatev
 and quantises the rows inside the call, which is where a one-token draft step spent its
 time.
 
+``int4_linear(x, packed, scales, bias)``: y = x W^T + b against 4-bit weights in groups of
+64 inputs, W[n, k] ~ low[n, g] + s[n, g] c[n, k] (``pack_int4`` of codes c [N, K] in 0..15
+and float16 s, low [N, G]), each input row quantised symmetrically to int8, x[r] ~ step[r]
+v[r]:
+
+    y[r, n] = step[r] sum_g (s[n, g] <v[r], c[n]>_g + low[n, g] sum_{k in g} v[r, k]) + b[n],
+
+each group's sums exact in int32 (AVX512-VNNI, plain C++ elsewhere; see int4_linear.cpp):
+half the weight bytes of int8, for the one-row draft step.
+
 ``bf16_linear(x, packed, bias)``: y = x W^T + b in bfloat16 (``pack_bf16`` of w [N, K]), the
 sums in float32 on AMX tiles (``has_amx()``; see bf16_linear.cpp): a third faster than
 oneDNN's bfloat16 products at one row on this project's Xeon, and as fast at 11 rows.
 
-``int8_block(...)``, ``bf16_block(...)``: a whole Qwen2/Llama decoder block of such layers
-over the lean KV cache in one call (``backends.native_block``), since a Python block's
-small tensor operations cost more than its products at one token.
+``int8_block(...)``, ``int4_block(...)``, ``bf16_block(...)``: a whole Qwen2/Llama decoder
+block of such layers over the lean KV cache in one call (``backends.native_block``), since a
+Python block's small tensor operations cost more than its products at one token.
 
 The extension is built with torch's C++ toolchain (a C++ compiler and ninja) into
 ``$CACTUS_SPEC_CACHE/native/<key>``, the key naming the CPU's flags and torch's version, so
@@ -45,7 +55,9 @@ import torch
 from cactus_spec.cache import cache_dir
 
 _HERE = Path(__file__).parent
-_SOURCE_NAMES = ("amx.cpp", "int8_linear.cpp", "bf16_linear.cpp", "block.cpp", "bindings.cpp")
+_SOURCE_NAMES = (
+    "amx.cpp", "int8_linear.cpp", "int4_linear.cpp", "bf16_linear.cpp", "block.cpp", "bindings.cpp",
+)  # fmt: skip
 SOURCES = tuple(_HERE / name for name in _SOURCE_NAMES)
 HEADERS = (_HERE / "amx.h", _HERE / "linear.h", _HERE / "block.h")
 #: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded

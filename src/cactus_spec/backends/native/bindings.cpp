@@ -7,6 +7,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8", &pack_int8, "an int8 [N, K] weight in int8_linear's layout");
   m.def("int8_linear", &int8_linear, "y = x W^T + b with packed int8 W and per-row uint8 x");
   m.def("int8_block", int8_block, "one int8 decoder block over the layer's KV cache");
+  m.def("pack_int4", &pack_int4, "int4 codes and group scales in int4_linear's layout");
+  m.def("int4_linear", &int4_linear, "y = x W^T + b with packed int4 W and per-row uint8 x");
+  m.def("int4_block", int4_block, "one int4 decoder block over the layer's KV cache");
   m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path was compiled");
   m.def("pack_bf16", &pack_bf16, "a bfloat16 [N, K] weight in bf16_linear's layout");
   m.def("bf16_linear", &bf16_linear, "y = x W^T + b in bfloat16 on AMX tiles");

@@ -65,8 +65,8 @@ float dot(const float* a, const float* b, int64_t d) {
   return total;
 }
 
-// The two kinds of linear layers a block may be made of, and how the block's params hold
-// each layer: int8 (packed, scale, code_sums, bias or empty) or bfloat16 (packed, bias).
+// The kinds of linear layers a block may be made of, and how the block's params hold each
+// layer. Int8 layers (packed codes, scales, code sums, bias or empty) read uint8 input rows.
 struct Int8Kernel {
   using Weight = Int8Weight;
   using Input = Rows;
@@ -76,7 +76,6 @@ struct Int8Kernel {
     return {params[first], params[first + 1], params[first + 2],
             bias.numel() ? bias : torch::Tensor()};
   }
-  static int64_t outputs(const Weight& w) { return w.scale.size(0); }
   static Input input(const float* x, int64_t m, int64_t k, const Weight&) {
     return quantise_rows(x, m, k);
   }
@@ -85,6 +84,23 @@ struct Int8Kernel {
   }
 };
 
+// Int4 layers (packed codes, scales, bias) read int8 input rows.
+struct Int4Kernel {
+  using Weight = Int4Weight;
+  using Input = SignedRows;
+  static constexpr size_t kTensors = 3;
+  static Weight weight(const std::vector<torch::Tensor>& params, size_t first) {
+    return {params[first], params[first + 1], params[first + 2]};
+  }
+  static Input input(const float* x, int64_t m, int64_t k, const Weight&) {
+    return signed_rows(x, m, k);
+  }
+  static void products(const Input& in, const Weight& w, float* out) {
+    int4_products(in, w, out);
+  }
+};
+
+// Bfloat16 layers (packed, bias).
 struct Bf16Kernel {
   using Weight = Bf16Weight;
   using Input = Bf16Rows;
@@ -92,7 +108,6 @@ struct Bf16Kernel {
   static Weight weight(const std::vector<torch::Tensor>& params, size_t first) {
     return {params[first], params[first + 1]};
   }
-  static int64_t outputs(const Weight& w) { return w.bias.size(0); }
   static Input input(const float* x, int64_t m, int64_t k, const Weight& w) {
     return bf16_rows(x, m, k, w.packed.size(1) * 2);
   }
@@ -217,7 +232,7 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   for (int layer = 0; layer < kLayers; ++layer) w[layer] = Kernel::weight(params, 2 + Kernel::kTensors * layer);
   const torch::Tensor input = x.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0), count = x.size(1), e = x.size(2), m = b * count, d = keys.size(3);
-  const int64_t inner = Kernel::outputs(w[kGate]);
+  const int64_t inner = w[kGate].outputs();
   const Tokens tokens{b, count, heads, kv_heads, d, rows, starts};
   const float* in = input.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
@@ -247,4 +262,5 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
 }  // namespace
 
 DecoderBlock* const int8_block = decoder_block<Int8Kernel>;
+DecoderBlock* const int4_block = decoder_block<Int4Kernel>;
 DecoderBlock* const bf16_block = decoder_block<Bf16Kernel>;

@@ -17,4 +17,5 @@ using DecoderBlock = torch::Tensor(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t heads, int64_t kv_heads);
 
 extern DecoderBlock* const int8_block;  // int8 layers (int8_linear)
+extern DecoderBlock* const int4_block;  // int4 layers (int4_linear)
 extern DecoderBlock* const bf16_block;  // bfloat16 layers on AMX tiles (bf16_linear)

@@ -1,7 +1,8 @@
 // The linear layers of the decode regime (a few rows against a large weight): int8 codes
-// (int8_linear.cpp) and bfloat16 on AMX tiles (bf16_linear.cpp). Each kernel turns its input
-// rows into its own form once (quantise_rows, bf16_rows), so layers that read the same input
-// (q, k, v; gate, up) share it, then multiplies them by a packed weight into float32 sums.
+// (int8_linear.cpp), int4 codes (int4_linear.cpp) and bfloat16 on AMX tiles
+// (bf16_linear.cpp). Each kernel turns its input rows into its own form once (quantise_rows,
+// signed_rows, bf16_rows), so layers that read the same input (q, k, v; gate, up) share it,
+// then multiplies them by a packed weight into float32 sums.
 #pragma once
 
 #include <torch/extension.h>
@@ -20,6 +21,7 @@ struct Rows {
 // (undefined when the layer has none).
 struct Int8Weight {
   torch::Tensor packed, scale, code_sums, bias;
+  int64_t outputs() const { return scale.size(0); }
 };
 
 Rows quantise_rows(const float* x, int64_t m, int64_t k);
@@ -33,6 +35,32 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const c10::optional<torch::Tensor>& bias);
 bool has_vnni();
 
+// Input rows quantised to int8 codes symmetrically, each on its own range, x[r] ~ step[r] v,
+// with each group of 64 codes' sum (int4_linear.cpp).
+struct SignedRows {
+  std::vector<int8_t> v;         // [M, K4] codes, K zero padded
+  std::vector<float> step;       // [M]
+  std::vector<int32_t> sums;     // [M, K4 / 64]
+  int64_t k4;                    // K rounded up to 64
+};
+
+// A linear layer's int4 weight: pack_int4 codes with float16 scales and low ends per group of
+// 64 inputs (as int16 bits), and a float32 bias [N] (zeros when the layer has none).
+struct Int4Weight {
+  torch::Tensor packed, scales, bias;
+  int64_t outputs() const { return bias.size(0); }
+};
+
+SignedRows signed_rows(const float* x, int64_t m, int64_t k);
+
+// out [M, N] = the rows' products with the int4 weight plus its bias.
+void int4_products(const SignedRows& rows, const Int4Weight& w, float* out);
+
+std::vector<torch::Tensor> pack_int4(const torch::Tensor& codes, const torch::Tensor& scale,
+                                     const torch::Tensor& low);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& bias);
+
 // Input rows rounded to bfloat16 (bits), K zero padded to the packing's K2, and the rows
 // zero padded to a whole number of AMX tiles.
 struct Bf16Rows {
@@ -44,6 +72,7 @@ struct Bf16Rows {
 // layer has none), which also gives N.
 struct Bf16Weight {
   torch::Tensor packed, bias;
+  int64_t outputs() const { return bias.size(0); }
 };
 
 Bf16Rows bf16_rows(const float* x, int64_t m, int64_t k, int64_t k2);
