@@ -150,8 +150,8 @@ def test_int4_bad_shapes_are_refused_with_a_clear_error() -> None:
         native.load().pack_int4(codes, scale.float(), low)
 
 
-amx = pytest.mark.skipif(
-    not (native.available() and native.load().has_amx()), reason="no AMX on this CPU"
+bf16 = pytest.mark.skipif(
+    not (native.available() and native.load().has_bf16()), reason="no AMX or AVX512-BF16 here"
 )
 
 
@@ -165,7 +165,7 @@ def _bf16_layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
 
 
-@amx
+@bf16
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (20, 96, 70)])
 def test_bf16_products_are_float_sums_of_bf16_rows(m, k, n) -> None:
     """y = round_bf16(sum_k bf16(x) w + b), the sums in float32: within float32 summation
@@ -180,7 +180,7 @@ def test_bf16_products_are_float_sums_of_bf16_rows(m, k, n) -> None:
     assert not torch.allclose(shuffled.double(), exact, rtol=2**-8)  # control: wrong weights
 
 
-@amx
+@bf16
 def test_bf16_one_hot_rows_read_back_every_weight() -> None:
     w, _ = _bf16_layer(101, 37)
     got = _bf16(torch.eye(101), w, torch.zeros(37))  # [K, N]
@@ -190,7 +190,7 @@ def test_bf16_one_hot_rows_read_back_every_weight() -> None:
     assert not torch.equal(_bf16(torch.eye(101), swapped, torch.zeros(37)), w.T)
 
 
-@amx
+@bf16
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (37, 96, 70)])
 def test_bf16_each_row_gives_the_same_bits_as_alone(m, k, n) -> None:
     w, bias = _bf16_layer(k, n)
@@ -201,7 +201,7 @@ def test_bf16_each_row_gives_the_same_bits_as_alone(m, k, n) -> None:
     assert torch.equal(together, alone)
 
 
-@amx
+@bf16
 def test_bf16_bad_shapes_are_refused_with_a_clear_error() -> None:
     w, bias = _bf16_layer(64, 16)
     with pytest.raises(RuntimeError, match="packed must be pack_bf16"):
@@ -210,7 +210,7 @@ def test_bf16_bad_shapes_are_refused_with_a_clear_error() -> None:
         _bf16(torch.ones(2, 64, dtype=torch.long), w, bias)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("bf16", marks=amx)])
+@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("bf16", marks=bf16)])
 def test_no_rows_give_no_outputs(kind) -> None:
     """An empty block of rows is an empty product (no division by a tile of no rows)."""
     if kind == "int8":

@@ -1,6 +1,6 @@
 """A block of native layers run as one native call (``NativeBlock``) computes what the Python block
 computes on the same layers: for int8 and int4 layers the same logits up to float rounding, for
-AMX bfloat16 layers logits at least as close to the float32 model's as the Python block's (which
+native bfloat16 layers logits at least as close to the float32 model's as the Python block's (which
 rounds to bfloat16 after every operation, the native block only at its ends and at its products'
 inputs); on one row and on a batch of rows of different lengths, for Llama and for Qwen2 (q/k/v
 biases), and it writes the same keys and values into the cache."""
@@ -17,7 +17,7 @@ from test_lean import make_tiny_qwen2
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import Block, LeanBackend, LeanModel
 from cactus_spec.backends.native_block import NativeBlock
-from cactus_spec.backends.packed import AmxLinear
+from cactus_spec.backends.packed import NativeBf16Linear
 from cactus_spec.backends.quant import quantize
 
 pytestmark = pytest.mark.skipif(
@@ -28,7 +28,10 @@ MODELS = {"llama": make_tiny_lm, "qwen2": make_tiny_qwen2}
 KINDS = [
     "int8",
     "int4",
-    pytest.param("bf16", marks=pytest.mark.skipif(not AmxLinear.available(), reason="no AMX here")),
+    pytest.param(
+        "bf16",
+        marks=pytest.mark.skipif(not NativeBf16Linear.available(), reason="no native bf16 here"),
+    ),
 ]
 #: Largest |fused - python| / max |python| of the logits. int8, int4: float sums in another order
 #: may move an activation code by one step. bf16: the Python block's roundings after every

@@ -17,7 +17,7 @@ from torch import nn
 
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import LeanBackend, LeanModel
-from cactus_spec.backends.packed import AmxLinear, PackedLinear, packing_available
+from cactus_spec.backends.packed import NativeBf16Linear, PackedLinear, packing_available
 from cactus_spec.backends.quant import (
     INT4_GROUP,
     NATIVE_INT4_GROUP,
@@ -218,7 +218,7 @@ def test_lean_backend_packs_a_bf16_model_in_place_and_keeps_its_logits() -> None
     model = make_tiny_lm().bfloat16()
     expected = LeanBackend(LeanModel(copy.deepcopy(model).float())).append([3, 17, 42, 8])
     backend = LeanBackend(LeanModel(model))
-    packed = any(isinstance(m, PackedLinear | AmxLinear) for m in model.modules())
+    packed = any(isinstance(m, PackedLinear | NativeBf16Linear) for m in model.modules())
     assert packing_available(model) == packed
     got = backend.append([3, 17, 42, 8])  # [4, V]
     assert (got.argmax(-1) == expected.argmax(-1)).all()

@@ -1,14 +1,16 @@
-"""bfloat16 linear layers with their weights repacked once: for the native AMX kernel where
-the CPU has AMX (``AmxLinear``), else for oneDNN (``PackedLinear``).
+"""bfloat16 linear layers with their weights repacked once: for the native kernel where the
+CPU has AMX or AVX512-BF16 (``NativeBf16Linear``), else for oneDNN (``PackedLinear``).
 
-AMX. ``native.bf16_linear`` multiplies bfloat16 rows by a weight packed as AMX tiles, the
-sums in float32, each output element's sum in the same order whatever the other rows (a row
-gives the same bits alone as in any block). On this project's Xeon it streams a one-row
-product's weight at ~33 GB/s against oneDNN's ~24 (8960×1536: 0.84 against 1.13 ms; the
-151936-output head 15.7 against 25.9 ms), and 11 rows as fast as one. Its sums run in
-another order than oneDNN's, so its outputs differ from them in the last bits, each as close
-to float32. A block whose linear layers are all ``AmxLinear`` runs as one native call
-(``native_block``).
+Native. ``native.bf16_linear`` multiplies bfloat16 rows by a weight packed as AMX tiles,
+whose 64-byte rows are also AVX512-BF16's vdpbf16ps operands, the sums in float32, each
+output element's sum in the same order whatever the other rows (a row gives the same bits
+alone as in any block). On this project's Xeon (AMX) it streams a one-row product's weight
+at ~33 GB/s against oneDNN's ~24 (8960×1536: 0.84 against 1.13 ms; the 151936-output head
+15.7 against 25.9 ms), and 11 rows as fast as one; on its AMD EPYC (AVX512-BF16) one row at
+~29 GB/s against oneDNN's ~19 (0.93 against 1.41 ms; the head 16.4 against 24.6 ms), 11
+rows as fast as oneDNN. Its sums run in another order than oneDNN's, so its outputs differ
+from them in the last bits, each as close to float32. A block whose linear layers are all
+``NativeBf16Linear`` runs as one native call (``native_block``).
 
 oneDNN.
 
@@ -62,9 +64,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed bf16"
 
 
-class AmxLinear(nn.Module):
-    """y = x W^T + b on AMX tiles (``native.bf16_linear``): x [..., E_in] (any float dtype,
-    rounded to bfloat16) -> y [..., E_out] bfloat16."""
+class NativeBf16Linear(nn.Module):
+    """y = x W^T + b on AMX tiles or AVX512-BF16 (``native.bf16_linear``): x [..., E_in] (any
+    float dtype, rounded to bfloat16) -> y [..., E_out] bfloat16."""
 
     block_kind = "bf16"
 
@@ -78,8 +80,9 @@ class AmxLinear(nn.Module):
 
     @staticmethod
     def available() -> bool:
-        """Whether the native kernels are built and this CPU lends this process AMX."""
-        return native.available() and native.load().has_amx()
+        """Whether the native kernels are built with a bf16 path for this CPU (AMX tiles it
+        lends this process, or AVX512-BF16)."""
+        return native.available() and native.load().has_bf16()
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, E_in]
@@ -91,21 +94,22 @@ class AmxLinear(nn.Module):
         return [self.packed, self.bias]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, AMX bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, native bf16"
 
 
 def bf16_kernel() -> str:
     """The bfloat16 CPU path the lean backend takes (results that depend on it record it)."""
-    if AmxLinear.available():
-        return "native AMX tiles, whole blocks in C++"
+    if NativeBf16Linear.available():
+        simd = "AMX tiles" if native.load().has_amx() else "AVX512-BF16"
+        return f"native {simd}, whole blocks in C++"
     return "oneDNN, packed once"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Replace every bfloat16 ``nn.Linear`` of ``model`` by an ``AmxLinear`` where the CPU
-    has AMX, else by a ``PackedLinear`` (in place), then give the remaining tensors memory of
-    their own (``own_memory``)."""
-    packing = AmxLinear if AmxLinear.available() else PackedLinear
+    """Replace every bfloat16 ``nn.Linear`` of ``model`` by a ``NativeBf16Linear`` where the
+    native kernel runs (AMX or AVX512-BF16), else by a ``PackedLinear`` (in place), then give
+    the remaining tensors memory of their own (``own_memory``)."""
+    packing = NativeBf16Linear if NativeBf16Linear.available() else PackedLinear
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:

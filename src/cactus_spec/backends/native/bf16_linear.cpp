@@ -1,4 +1,4 @@
-// bfloat16 linear layers on AMX tiles, the hot path of the bfloat16 verifier:
+// bfloat16 linear layers on AMX tiles or AVX512-BF16, the hot path of the bfloat16 verifier:
 //     y[r, n] = sum_k x[r, k] W[n, k] + bias[n],
 // x rounded to bfloat16, products and sums in float32 (AMX's tdpbf16ps).
 //
@@ -11,7 +11,10 @@
 // 0.84 against 1.13 ms; the 151936-output head: 15.7 against 25.9 ms), 11 rows at 33-38
 // against 24. Each output element's sum runs in the same order whatever the other rows, so
 // a row gives the same bits alone as in any block.
-// Where the CPU has no AMX, has_amx() is false and callers use oneDNN.
+// Where the CPU has no AMX but AVX512-BF16, one vdpbf16ps adds a row's next two inputs
+// (broadcast) times 16 outputs' weights to 16 float32 sums, for up to kRowTile rows per pass
+// over a stripe, the weight prefetched into L2 ahead (as int4_linear.cpp). has_bf16() says
+// whether either path is there; else callers use oneDNN.
 
 #include "linear.h"
 
@@ -20,8 +23,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "amx.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define CACTUS_AVX512_BF16 1
+#endif
 
 namespace {
 
@@ -30,6 +39,44 @@ constexpr int kBlocks = 4;                      // tiles of 16 outputs per strip
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padded to it)
 constexpr int64_t kKStep = 32;                  // inputs per tile (K is padded to it)
 constexpr int64_t kTileRows = 16;               // input rows per AMX tile at most
+constexpr int kRowTile = 4;                     // input rows per pass over a stripe (AVX512)
+constexpr int64_t kAhead = 512;                 // bytes of each block prefetched ahead (AVX512)
+
+#ifdef CACTUS_AVX512_BF16
+// sums[r][j] = sum_k x[r, k] w[j, k] for R rows (k2 apart) and one stripe, in float32.
+template <int R>
+void dot_stripe(const uint16_t* rows, int64_t k2, const uint16_t* stripe, float (*sums)[kOutTile]) {
+  const int64_t pairs = k2 / 2;
+  __m512 acc[R][kBlocks];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    __m512i weights[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint16_t* at = stripe + (b * pairs + q) * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T1);
+      weights[b] = _mm512_loadu_si512(at);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t two;
+      std::memcpy(&two, rows + r * k2 + 2 * q, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(two);
+      for (int b = 0; b < kBlocks; ++b) {
+        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, (__m512bh)weights[b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(sums[r] + b * kLanes, acc[r][b]);
+}
+
+void dot_rows(const uint16_t* rows, int count, int64_t k2, const uint16_t* stripe,
+              float (*sums)[kOutTile]) {
+  using Stripe = void (*)(const uint16_t*, int64_t, const uint16_t*, float(*)[kOutTile]);
+  static constexpr Stripe stripes[] = {dot_stripe<1>, dot_stripe<2>, dot_stripe<3>, dot_stripe<4>};
+  stripes[count - 1](rows, k2, stripe, sums);
+}
+#endif
 
 }  // namespace
 
@@ -53,34 +100,54 @@ torch::Tensor pack_bf16(const torch::Tensor& w) {
   return padded.view({np / kLanes, kLanes, k2 / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+bool has_bf16() {
+#ifdef CACTUS_AVX512_BF16
+  return true;
+#else
+  return has_amx();
+#endif
+}
+
 void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
   const int64_t m = rows.m, n = w.bias.size(0), k2 = rows.k2;
-  TORCH_CHECK(has_amx(), "bf16 products need AMX (has_amx() is false)");
+  TORCH_CHECK(has_bf16(), "bf16 products need AMX or AVX512-BF16 (has_bf16() is false)");
   TORCH_CHECK(w.packed.scalar_type() == torch::kBFloat16 && w.packed.is_contiguous() &&
                   w.packed.size(1) * 2 == k2 && w.packed.size(0) * kLanes >= n &&
                   w.bias.scalar_type() == torch::kFloat,
               "packed must be pack_bf16 of a bfloat16 [N, K] weight with x's K, bias float32 [N]");
-#ifdef CACTUS_AMX
   const auto* weight = reinterpret_cast<const uint16_t*>(w.packed.data_ptr<at::BFloat16>());
   const float* bias = w.bias.data_ptr<float>();
-  const int64_t stripes = (n + kOutTile - 1) / kOutTile, tm = tile_rows(m);
+  const bool amx = has_amx();
+  const int64_t stripes = (n + kOutTile - 1) / kOutTile, step = amx ? tile_rows(m) : kRowTile;
   at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles(tm);  // per thread: the tile registers are a thread's state
+#ifdef CACTUS_AMX
+    if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
+#endif
     float sums[kTileRows][kOutTile];
     for (int64_t s = begin; s < end; ++s) {
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      for (int64_t r0 = 0; r0 < m; r0 += tm) {
-        const auto* tile_rows_in = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
-        const auto* stripe = reinterpret_cast<const uint8_t*>(weight + s * kOutTile * k2);
-        amx_stripe</*kBf16=*/true>(tile_rows_in, k2 * 2, stripe, sums);
-        for (int64_t r = 0; r < std::min(tm, m - r0); ++r) {
+      const uint16_t* stripe = weight + s * kOutTile * k2;
+      for (int64_t r0 = 0; r0 < m; r0 += step) {
+        const int64_t count = std::min(step, m - r0);
+#ifdef CACTUS_AMX
+        if (amx) {
+          const auto* tile_rows_in = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
+          amx_stripe</*kBf16=*/true>(tile_rows_in, k2 * 2, reinterpret_cast<const uint8_t*>(stripe),
+                                     sums);
+        }
+#endif
+#ifdef CACTUS_AVX512_BF16
+        if (!amx) dot_rows(rows.x.data() + r0 * k2, static_cast<int>(count), k2, stripe, sums);
+#endif
+        for (int64_t r = 0; r < count; ++r) {
           for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = sums[r][j] + bias[n0 + j];
         }
       }
     }
-    _tile_release();
-  });
+#ifdef CACTUS_AMX
+    if (amx) _tile_release();
 #endif
+  });
 }
 
 // y [M, N] bfloat16 = x [M, K] (any float dtype) against the packed weight, plus the bias.

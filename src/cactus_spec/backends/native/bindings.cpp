@@ -14,5 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "a bfloat16 [N, K] weight in bf16_linear's layout");
   m.def("bf16_linear", &bf16_linear, "y = x W^T + b in bfloat16 on AMX tiles");
   m.def("bf16_block", bf16_block, "one bfloat16 decoder block over the layer's KV cache");
+  m.def("has_bf16", &has_bf16, "whether bf16_linear runs here (AMX or AVX512-BF16)");
   m.def("has_amx", &has_amx, "whether AMX tiles were compiled in and granted");
 }

@@ -81,5 +81,7 @@ Bf16Rows bf16_rows(const float* x, int64_t m, int64_t k, int64_t k2);
 void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out);
 
 torch::Tensor pack_bf16(const torch::Tensor& w);
+// Whether bf16_products can run here: AMX tiles (has_amx()) or AVX512-BF16.
+bool has_bf16();
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& bias);
