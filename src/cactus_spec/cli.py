@@ -165,7 +165,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-quant",
         choices=QUANTS,
         default="int8",
-        help="draft weights (any of them keeps the output law; int8 is the fastest measured)",
+        help="draft weights (any of them keeps the output law; int8 and int4 are level end "
+        "to end where measured)",
     )
     p.add_argument(
         "--verifier-quant",
