@@ -5,7 +5,7 @@
 # at any point holds both tasks on their first items; every stage resumes where the last
 # one stopped (results.jsonl is appended item by item). Rerun the script to go on.
 #
-#   sh benchmarks/quality.sh              # about 9.5 hours on a 2-core CPU, in sittings
+#   sh benchmarks/quality.sh              # about 10 hours on a 2-core CPU, in sittings
 #   MAX_BATCH=4 STAGES="32 64" sh benchmarks/quality.sh
 set -e
 cd "$(dirname "$0")/.."
