@@ -17,10 +17,10 @@ import statistics
 import time
 
 from cactus_spec.bench.tasks import humaneval_items
-from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.rules import SpS
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import SpS
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 
 def run(decoder: SpeculativeDecoder, prompts: list[str], k: int, new_tokens: int) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import LeanModel
-from cactus_spec.models import load_model
+from cactus_spec.loading.models import load_model
 
 CONTEXT = 200
 

@@ -22,8 +22,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 BATCHES = (1, 4, 8, 16)
 CONTEXT = 256

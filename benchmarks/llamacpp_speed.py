@@ -16,7 +16,7 @@ import time
 
 from llama_cpp import Llama
 
-from cactus_spec.fetch import fetch
+from cactus_spec.loading.fetch import fetch
 
 PROMPT = b'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 8
 

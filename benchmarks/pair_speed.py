@@ -21,7 +21,7 @@ import torch
 from cactus_spec import Cactus, SpeculativeDecoder, SpS
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.bench.tasks import humaneval_items
-from cactus_spec.models import load_model
+from cactus_spec.loading.models import load_model
 
 
 def main() -> None:

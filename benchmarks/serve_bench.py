@@ -31,8 +31,8 @@ from pathlib import Path
 import openai
 
 from cactus_spec.bench.tasks import humaneval_items
-from cactus_spec.catalog import DEFAULT_PAIR
 from cactus_spec.files import write_text_atomic
+from cactus_spec.loading.catalog import DEFAULT_PAIR
 
 #: name -> the request's "speculative" object (no num_draft_tokens: the policy picks K).
 METHODS = {

@@ -65,9 +65,9 @@ def key(case: dict) -> str:
 
 def decode(decoder, case: dict) -> list[list[int]]:
     """The new tokens of every row of ``case``, all rows decoded together."""
-    from cactus_spec.methods import build_rule
-    from cactus_spec.sampling import SamplingConfig
-    from cactus_spec.scheduler import Request, Scheduler
+    from cactus_spec.core.methods import build_rule
+    from cactus_spec.core.sampling import SamplingConfig
+    from cactus_spec.runtime.scheduler import Request, Scheduler
 
     results: dict[int, list[int]] = {}
     scheduler = Scheduler(decoder, max_queue=len(case["rows"]))
@@ -92,7 +92,7 @@ def decode(decoder, case: dict) -> list[list[int]]:
 
 
 def run(out: Path) -> None:
-    from cactus_spec.engine import SpeculativeDecoder
+    from cactus_spec.runtime.engine import SpeculativeDecoder
 
     done = set()
     if out.exists():

@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK
-from cactus_spec.verification import verify
+from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
+from cactus_spec.core.verification import verify
 
 RULES = {
     "sps": SpS(),
@@ -58,7 +58,7 @@ def forward_seconds(device: str, fallback: float) -> tuple[float, str]:
     """One-token forward of the default 0.5B draft with a KV cache, if it is fetched."""
     try:
         from cactus_spec.backends.hf import TransformersBackend
-        from cactus_spec.models import load_model
+        from cactus_spec.loading.models import load_model
 
         loaded = load_model("qwen-coder-0.5b", device=device)
     except Exception as error:  # noqa: BLE001 - any failure means: use the stated figure

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cactus_spec.models import LoadedModel, load_model
+from cactus_spec.loading.models import LoadedModel, load_model
 
 LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
 

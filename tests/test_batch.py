@@ -8,10 +8,10 @@ import torch
 from conftest import make_tiny_lm
 from test_engine import noisy_copy
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.policy import CostTable, SpeculationPolicy, expected_tokens
-from cactus_spec.rules import TAS, Cactus, SpS
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import TAS, Cactus, SpS
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
 
 #: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
 ROWS = [

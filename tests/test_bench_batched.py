@@ -18,7 +18,7 @@ from test_bench_run import lines, one_thread, run, settings  # noqa: F401 (an au
 from cactus_spec.bench.grading import SCORE_FIELDS
 from cactus_spec.bench.store import BATCHES_FILE
 from cactus_spec.cli import main
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig
 
 GRID = ["ar", "sps", "cactus", "tas"]
 
@@ -67,7 +67,7 @@ def test_a_larger_n_extends_a_batched_run_without_rework(models, prompts, tmp_pa
 
 @pytest.mark.slow
 def test_rescore_restores_the_recorded_scores_of_a_real_run(tmp_path, capsys) -> None:
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     fetch("smollm2-135m")
     out = tmp_path / "run"

@@ -17,7 +17,7 @@ from cactus_spec.bench.grid import (
     parse_list,
 )
 from cactus_spec.cli import DEFAULT_NUM_DRAFT_TOKENS
-from cactus_spec.rules import Cactus
+from cactus_spec.core.rules import Cactus
 
 
 def ids(configs: tuple[Config, ...]) -> list[str]:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_quick_bench_writes_every_output(tmp_path, capsys) -> None:
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     fetch("smollm2-135m")
     start = time.perf_counter()

@@ -18,7 +18,7 @@ from cactus_spec.bench.runner import BenchSettings, run_bench, schedule
 from cactus_spec.bench.store import RESULTS_FILE, RUN_FILE, RunMismatchError
 from cactus_spec.bench.tasks import Item, TaskSpec, load_items
 from cactus_spec.cli import main
-from cactus_spec.models import load_model
+from cactus_spec.loading.models import load_model
 
 GRID = [
     "ar",

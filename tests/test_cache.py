@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cactus_spec import cache
-from cactus_spec.cache import (
+from cactus_spec.loading import model_store as cache
+from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.model_store import (
     COMPLETE_FILE,
     CorruptModelError,
     check_gguf,
@@ -25,7 +26,6 @@ from cactus_spec.cache import (
     file_sha256,
     hash_file,
 )
-from cactus_spec.catalog import REGISTRY
 
 SMOL = "smollm2-135m"
 
@@ -139,7 +139,7 @@ def test_temp_dirs_of_dead_processes_are_removed_and_live_ones_kept(empty_cache)
 @pytest.fixture(scope="module")
 def real_cache() -> Path:
     """The real cache with SmolLM2 fetched (and its dense copy complete)."""
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     fetch(SMOL)
     return cache.cache_dir()
@@ -170,7 +170,7 @@ def _no_temps(root: Path) -> bool:
 @pytest.mark.slow
 def test_a_corrupted_known_gguf_is_refused_with_a_repair_hint(cache_copy, capsys):
     from cactus_spec.cli import main
-    from cactus_spec.models import load_model
+    from cactus_spec.loading.models import load_model
 
     assert load_model(SMOL).sha256 == REGISTRY[SMOL].sha256  # positive control
     _flip_middle(cache_copy / "gguf" / f"{SMOL}.gguf")
@@ -186,8 +186,8 @@ def test_a_corrupted_known_gguf_is_refused_with_a_repair_hint(cache_copy, capsys
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["delete config.json", "truncate model.safetensors"])
 def test_a_damaged_dense_copy_is_rebuilt_never_loaded(cache_copy, damage, capsys):
-    from cactus_spec.fetch import main_fetch
-    from cactus_spec.models import load_model
+    from cactus_spec.loading.fetch import main_fetch
+    from cactus_spec.loading.models import load_model
 
     dense = cache_copy / "dense" / REGISTRY[SMOL].sha256
     if damage == "delete config.json":
@@ -205,7 +205,7 @@ def test_a_damaged_dense_copy_is_rebuilt_never_loaded(cache_copy, damage, capsys
 
 @pytest.mark.slow
 def test_a_truncated_gguf_by_path_names_expected_and_actual_size(cache_copy, tmp_path):
-    from cactus_spec.models import load_model
+    from cactus_spec.loading.models import load_model
 
     source = cache_copy / "gguf" / f"{SMOL}.gguf"
     truncated = tmp_path / "truncated.gguf"

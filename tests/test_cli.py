@@ -12,8 +12,8 @@ from conftest import make_tiny_lm
 
 from cactus_spec.bench.store import RUN_FILE
 from cactus_spec.cli import main
-from cactus_spec.methods import build_rule
-from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK
+from cactus_spec.core.methods import build_rule
+from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
 
 
 def test_build_rule_defaults_and_overrides() -> None:

@@ -8,10 +8,10 @@ import pytest
 from conftest import make_tiny_lm
 from test_engine import noisy_copy
 
-from cactus_spec.batch import Prompt, decode_all
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.rules import SpS
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import SpS
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 PROMPTS = [
     Prompt([5, 17, 3, 99], 20, seed=1),

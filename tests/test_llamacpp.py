@@ -7,9 +7,9 @@ import pytest
 
 from cactus_spec.bench import command, llamacpp
 from cactus_spec.bench.grid import expand, parse_entry
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import load_model
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.models import load_model
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 needs_llamacpp = pytest.mark.skipif(
     llamacpp.missing_reason() is not None, reason="llama-cpp-python not installed (extra peers)"
@@ -19,7 +19,7 @@ PROMPT = "Write a Python function that returns the sum of a list of numbers."
 
 @pytest.fixture(scope="module")
 def smollm():
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     return load_model(fetch("smollm2-135m"), dtype="float32")
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import LoadedModel, load_model
-from cactus_spec.rules import SpS
+from cactus_spec.core.rules import SpS
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +60,14 @@ def offline(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     return load_model(fetch("smollm2-135m"), dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def sps_lm(smollm: LoadedModel):
-    from cactus_spec.lm_eval_model import CactusSpecLM
+    from cactus_spec.lm_eval.model import CactusSpecLM
 
     return CactusSpecLM(target=smollm, draft=smollm, method="sps", num_draft_tokens=3, max_batch=3)
 
@@ -178,7 +178,7 @@ def test_the_command_line_runs_ar_by_name_and_agrees(
 def test_sampled_requests_are_the_engines_with_derived_seeds(offline, sps_lm) -> None:
     from lm_eval.api.instance import Instance
 
-    from cactus_spec.lm_eval_args import request_seed
+    from cactus_spec.lm_eval.args import request_seed
 
     contexts = ["Once upon a time", "The weather today is", "Once upon a time"]
     kwargs = {"until": ["\n"], "max_gen_toks": 6, "do_sample": True, "temperature": 0.8}
@@ -200,8 +200,8 @@ def test_rolling_loglikelihood_in_windows(
     from lm_eval.api.instance import Instance
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-    from cactus_spec import lm_eval_model
-    from cactus_spec.lm_eval_model import CactusSpecLM
+    from cactus_spec.lm_eval import model as lm_eval_model
+    from cactus_spec.lm_eval.model import CactusSpecLM
 
     monkeypatch.setattr(lm_eval_model, "SCORE_CHUNK", 3)  # long continuations in pieces
 
@@ -237,7 +237,7 @@ def test_chat_template_is_the_tokenizers(sps_lm, smollm: LoadedModel) -> None:
     ],
 )
 def test_a_bad_model_arg_is_one_line_naming_it(args: str, named: str) -> None:
-    from cactus_spec.lm_eval_model import CactusSpecLM
+    from cactus_spec.lm_eval.model import CactusSpecLM
 
     with pytest.raises(ValueError, match=named) as caught:
         CactusSpecLM.create_from_arg_string(f"target=nowhere/at-all,{args}")

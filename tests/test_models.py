@@ -10,7 +10,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from cactus_spec.backends.hf import TransformersBackend
-from cactus_spec.models import (
+from cactus_spec.loading.models import (
     FETCH_HINT,
     LoadedModel,
     ModelNotFoundError,
@@ -116,7 +116,7 @@ def test_load_model_object_and_local_directory(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_fetch_load_and_greedy():
-    from cactus_spec.fetch import REGISTRY, fetch
+    from cactus_spec.loading.fetch import REGISTRY, fetch
 
     path = fetch("smollm2-135m")
     loaded = load_model(path, dtype="float32")

@@ -26,8 +26,8 @@ from cactus_spec.backends.quant import (
     project,
     quantize,
 )
-from cactus_spec.divergence import PREFIX_TOKENS, measure
-from cactus_spec.models import load_model
+from cactus_spec.loading.divergence import PREFIX_TOKENS, measure
+from cactus_spec.loading.models import load_model
 
 IN, OUT = 256, 96
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lawcheck import random_dist
 
-from cactus_spec.audit import (
+from cactus_spec.core.audit import (
     MAX_AUDIT_SUPPORT,
     acceptance_prob,
     kl,
@@ -16,7 +16,7 @@ from cactus_spec.audit import (
     step_divergences,
     step_law,
 )
-from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK, binary_kl
+from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK, binary_kl
 
 ALL_RULES = [SpS(), Cactus(0.5), Cactus(0.5, exact=True), TAS(), Interp(0.3), TopK(2)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lawcheck import binomial_violations, histogram, wrong_law
 
-from cactus_spec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
 
 
 def masked_reference(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import LoadedModel, load_model
-from cactus_spec.rules import Cactus, SpS
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.server.app import ServerConfig, create_app
 from cactus_spec.server.run import BackgroundServer, start_scheduler
 
@@ -34,7 +34,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     return load_model(fetch("smollm2-135m"), dtype="float32")
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cactus_spec.backends.hf import TransformersBackend
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.models import LoadedModel, load_model
-from cactus_spec.rules import Cactus, SpS
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.runtime.engine import SpeculativeDecoder
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ NEAR_TIE = 1e-4
 
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     return load_model(fetch("smollm2-135m"), dtype="float32")
 
@@ -55,7 +55,7 @@ def assert_same_greedy_tokens(verifier: LoadedModel, prompt: str, ar: list, othe
 def test_greedy_sps_with_an_int4_draft_equals_autoregressive(smollm: LoadedModel) -> None:
     """An int4 copy of the verifier drafts: the output is still the verifier's own greedy
     text, and the copy agrees with its original on most drafts."""
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     draft = load_model(fetch("smollm2-135m"), quant="int4")
     prompt = "Write a Python function that returns the sum of a list of numbers."
@@ -77,7 +77,7 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
     import json
 
     from cactus_spec.cli import main
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     path = str(fetch("smollm2-135m"))
     argv = [
@@ -104,7 +104,7 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
 
 def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
     from cactus_spec.cli import main
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading.fetch import fetch
 
     path = str(fetch("smollm2-135m"))
     argv = [
@@ -162,9 +162,9 @@ def test_int8_verifier_reports_its_measured_divergence(
     measured once, then read from the cache."""
     import json
 
-    from cactus_spec import divergence
     from cactus_spec.cli import main
-    from cactus_spec.fetch import fetch
+    from cactus_spec.loading import divergence
+    from cactus_spec.loading.fetch import fetch
 
     monkeypatch.setattr(divergence, "cache_dir", lambda: tmp_path)
     path = str(fetch("smollm2-135m"))

@@ -7,9 +7,9 @@ import pytest
 import torch
 from lawcheck import binomial_violations, histogram, random_dist, wrong_law
 
-from cactus_spec.audit import acceptance_prob, step_law
-from cactus_spec.rules import TAS, Cactus, Interp, SpS, TopK
-from cactus_spec.verification import verify
+from cactus_spec.core.audit import acceptance_prob, step_law
+from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
+from cactus_spec.core.verification import verify
 
 N = 100_000
 V = 8

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from cactus_spec.backends.load import BACKENDS
 from cactus_spec.backends.quant import QUANTS
-from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, build_rule
-from cactus_spec.sampling import SamplingConfig, check_seed
+from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, build_rule
+from cactus_spec.core.sampling import SamplingConfig, check_seed
+from cactus_spec.loading.backend import BACKENDS
+from cactus_spec.loading.catalog import DEFAULT_PAIR
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -221,7 +221,7 @@ def _check_counts(
 
 
 def _check_model_args(args: argparse.Namespace) -> None:
-    from cactus_spec.models import check_load_options
+    from cactus_spec.loading.models import check_load_options
 
     check_load_options(args.dtype, args.device, args.threads)
 
@@ -229,7 +229,7 @@ def _check_model_args(args: argparse.Namespace) -> None:
 def _decoder(args: argparse.Namespace, rule, max_batch: int = 1, announce: bool = False):
     """The decoder the model flags, --drafter and --num-draft-tokens describe, for ``rule``
     (None: autoregressive, no draft model loaded)."""
-    from cactus_spec.engine import SpeculativeDecoder
+    from cactus_spec.runtime.engine import SpeculativeDecoder
 
     drafter = args.drafter or "model"
     target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
@@ -252,7 +252,7 @@ def _decoder(args: argparse.Namespace, rule, max_batch: int = 1, announce: bool 
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from cactus_spec.engine import check_prompt_text
+    from cactus_spec.runtime.engine import check_prompt_text
 
     given = {name: getattr(args, name) for name in _method_flags()}
     rule = build_rule(args.method, given)
@@ -334,9 +334,9 @@ def _stats_table(result, divergence=None) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from cactus_spec.engine import SpeculativeDecoder
-    from cactus_spec.models import load_model
-    from cactus_spec.rules import Cactus, SpS
+    from cactus_spec.core.rules import Cactus, SpS
+    from cactus_spec.loading.models import load_model
+    from cactus_spec.runtime.engine import SpeculativeDecoder
 
     _check_counts(args)
     _check_model_args(args)
@@ -417,7 +417,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return main_bench(args)
     if args.command == "lm-eval":
         return run_lm_eval(args.lm_eval_args)
-    from cactus_spec.fetch import main_fetch
+    from cactus_spec.loading.fetch import main_fetch
 
     return main_fetch(args.names)
 
@@ -425,7 +425,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def run_lm_eval(argv: list[str]) -> int:
     """lm-eval's command line with the cactus-spec model registered (``lm_eval_model``)."""
     try:
-        from cactus_spec.lm_eval_model import main as lm_eval_main
+        from cactus_spec.lm_eval.model import main as lm_eval_main
     except ImportError as err:
         raise ValueError(
             f"lm-eval needs the eval extra: pip install 'cactus-spec[eval]' ({err})"

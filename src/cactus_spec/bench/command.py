@@ -27,9 +27,9 @@ from cactus_spec.bench.rescore import rescore
 from cactus_spec.bench.runner import BenchSettings, run_bench
 from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
-from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.models import LoadedModel, check_load_options, load_model
-from cactus_spec.sampling import MAX_SEED, SamplingConfig, check_seed
+from cactus_spec.core.sampling import MAX_SEED, SamplingConfig, check_seed
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.models import LoadedModel, check_load_options, load_model
 
 #: What --quick changes, unless given explicitly: SmolLM2-135M drafting with n-gram lookup,
 #: 4 gsm problems of 64 new tokens, a small grid.

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
-from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS, build_rule
-from cactus_spec.methods import METHODS as ENGINE_METHODS
-from cactus_spec.rules import Rule
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, build_rule
+from cactus_spec.core.methods import METHODS as ENGINE_METHODS
+from cactus_spec.core.rules import Rule
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from cactus_spec.bench.grid import Config
 from cactus_spec.bench.peers import PeerResult
-from cactus_spec.models import LoadedModel
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.models import LoadedModel
 
 METHODS = ("llamacpp", "llamacpp_lookup")
 INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~5 minutes)"

@@ -24,8 +24,8 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from cactus_spec.bench.grid import Config
-from cactus_spec.models import LoadedModel
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import transformers
 import cactus_spec
 from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import int4_kernel, quant_kernel
-from cactus_spec.cache import file_sha256
-from cactus_spec.models import LoadedModel
+from cactus_spec.loading.model_store import file_sha256
+from cactus_spec.loading.models import LoadedModel
 
 
 def model_identity(loaded: LoadedModel | None) -> dict | None:

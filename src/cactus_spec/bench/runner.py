@@ -34,7 +34,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cactus_spec.batch import Prompt, decode_all
 from cactus_spec.bench import memory
 from cactus_spec.bench.grading import grade
 from cactus_spec.bench.grid import LLAMACPP_METHODS, Config
@@ -46,12 +45,13 @@ from cactus_spec.bench.report import write_markdown
 from cactus_spec.bench.store import RunDirectory
 from cactus_spec.bench.summary import summarise
 from cactus_spec.bench.tasks import Item, TaskSpec
-from cactus_spec.divergence import quant_divergence
-from cactus_spec.engine import SpeculativeDecoder
+from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.files import write_json_atomic
-from cactus_spec.generation import GenerationResult
-from cactus_spec.models import LoadedModel
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.loading.divergence import quant_divergence
+from cactus_spec.loading.models import LoadedModel
+from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import GenerationResult
 
 Job = tuple[int, Item, Config]
 #: The verifier in each weight format the grid asks for ("none", "int8"), or one model.

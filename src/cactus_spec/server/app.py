@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from cactus_spec.generation import GenerationResult
-from cactus_spec.sampling import SamplingConfig
-from cactus_spec.scheduler import QueueFullError, Scheduler
-from cactus_spec.scheduler import Request as Job
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.scheduler import QueueFullError, Scheduler
+from cactus_spec.runtime.scheduler import Request as Job
 from cactus_spec.server.metrics import prometheus_text
 from cactus_spec.server.protocol import (
     APIError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cactus_spec.scheduler import Scheduler
+from cactus_spec.runtime.scheduler import Scheduler
 
 _PREFIX = "cactus_spec"
 

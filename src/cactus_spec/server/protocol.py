@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cactus_spec.methods import build_rule, get_method
-from cactus_spec.rules import Rule
-from cactus_spec.sampling import MAX_SEED
+from cactus_spec.core.methods import build_rule, get_method
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.sampling import MAX_SEED
 
 #: Largest K a request may ask for.
 MAX_DRAFT_TOKENS = 32

@@ -7,9 +7,9 @@ import sys
 import threading
 import time
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.policy import calibrated_policy
-from cactus_spec.scheduler import Scheduler
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.policy import calibrated_policy
+from cactus_spec.runtime.scheduler import Scheduler
 
 #: ``--policy`` values: auto picks K per iteration from measured costs; fixed always drafts
 #: the decoder's K (a request's own num_draft_tokens wins either way).

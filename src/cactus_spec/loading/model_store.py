@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from cactus_spec.catalog import get_spec
+from cactus_spec.loading.catalog import get_spec
+from cactus_spec.paths import cache_dir
 
 FETCH_HINT = "run: cactus-spec models fetch"
 COMPLETE_FILE = "complete.json"
@@ -46,11 +47,6 @@ class ModelNotFoundError(ValueError):
 
 class CorruptModelError(ValueError):
     """A model file in or given to the cache is truncated, damaged or not what it should be."""
-
-
-def cache_dir() -> Path:
-    """The cache root: `$CACTUS_SPEC_CACHE`, else `~/.cache/cactus-spec`."""
-    return Path(os.environ.get("CACTUS_SPEC_CACHE") or Path.home() / ".cache" / "cactus-spec")
 
 
 def _warn(message: str) -> None:

@@ -21,16 +21,16 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.quant import check_quant
-from cactus_spec.divergence import Divergence, quant_divergence
-from cactus_spec.drafters import Drafter, ModelDrafter, NGramDrafter
-from cactus_spec.generation import Generation, GenerationResult, GenerationStats
-from cactus_spec.methods import DEFAULT_NUM_DRAFT_TOKENS
-from cactus_spec.models import LoadedModel, check_same_vocabulary, load_model
-from cactus_spec.rules import Rule, SpS
-from cactus_spec.sampling import SamplingConfig, check_seed
-from cactus_spec.stepper import Stepper
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
+from cactus_spec.core.rules import Rule, SpS
+from cactus_spec.core.sampling import SamplingConfig, check_seed
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.divergence import Divergence, quant_divergence
+from cactus_spec.loading.models import LoadedModel, check_same_vocabulary, load_model
+from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
+from cactus_spec.runtime.generation import Generation, GenerationResult, GenerationStats
+from cactus_spec.runtime.stepper import Stepper
 
 __all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_prompt_text"]
 

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.engine import ModelSource
-from cactus_spec.methods import METHODS, ParamValue
-from cactus_spec.models import LoadedModel
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.methods import METHODS, ParamValue
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.models import LoadedModel
+from cactus_spec.runtime.engine import ModelSource
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.audit import step_divergences
 from cactus_spec.backends.base import Backend
-from cactus_spec.drafters import Draft, Drafter, DraftRequest
-from cactus_spec.generation import Generation
-from cactus_spec.sampling import logits_to_probs, sample_inverse_cdf, uniforms
-from cactus_spec.verification import verify
+from cactus_spec.core.audit import step_divergences
+from cactus_spec.core.sampling import logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.core.verification import verify
+from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
+from cactus_spec.runtime.generation import Generation
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cactus_spec.rules import Rule
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.sampling import SamplingConfig
 
 
 @dataclass

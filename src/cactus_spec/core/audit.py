@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cactus_spec.rules import Rule
+from cactus_spec.core.rules import Rule
 
 
 def _check_pair(names: tuple[str, str], a: Tensor, b: Tensor) -> None:

@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.drafters import Drafter
-from cactus_spec.generation import Generation
-from cactus_spec.stepper import StepTiming, needs_sync
+from cactus_spec.runtime.drafters import Drafter
+from cactus_spec.runtime.generation import Generation
+from cactus_spec.runtime.stepper import StepTiming, needs_sync
 
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2

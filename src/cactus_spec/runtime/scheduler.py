@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.generation import Generation, GenerationResult
-from cactus_spec.policy import SpeculationPolicy
-from cactus_spec.rules import Rule
-from cactus_spec.sampling import SamplingConfig
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Generation, GenerationResult
+from cactus_spec.runtime.policy import SpeculationPolicy
 
 #: Window of the tokens-per-second gauge.
 _RATE_WINDOW_S = 10.0

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from cactus_spec.audit import kl
 from cactus_spec.backends.base import Backend
-from cactus_spec.backends.load import make_backend
 from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import int4_kernel, quant_kernel
-from cactus_spec.cache import cache_dir
+from cactus_spec.core.audit import kl
 from cactus_spec.files import write_json_atomic
-from cactus_spec.models import LoadedModel, load_model
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.paths import cache_dir
 
 #: Tokens of context before the first measured position, and tokens measured.
 PREFIX_TOKENS = 16

@@ -22,14 +22,14 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from cactus_spec.backends.quant import check_quant, quantize
-from cactus_spec.cache import (
+from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.model_store import (
     FETCH_HINT,
     ModelNotFoundError,
     ensure_dense_copy,
     file_sha256,
     verified_known_gguf,
 )
-from cactus_spec.catalog import REGISTRY
 
 __all__ = [
     "FETCH_HINT",

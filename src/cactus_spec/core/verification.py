@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.rules import Rule
-from cactus_spec.sampling import Generators, check_generators, sample_inverse_cdf, uniforms
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.sampling import Generators, check_generators, sample_inverse_cdf, uniforms
 
 #: Allowed |row sum - 1| of probability rows, by input dtype.
 SUM_TOLERANCE = {

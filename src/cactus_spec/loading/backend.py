@@ -5,7 +5,7 @@ from __future__ import annotations
 from cactus_spec.backends.base import Backend
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel, unsupported_reason
-from cactus_spec.models import LoadedModel
+from cactus_spec.loading.models import LoadedModel
 
 BACKENDS = ("auto", "lean", "hf")
 

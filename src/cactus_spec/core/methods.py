@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cactus_spec.rules import TAS, Cactus, Interp, Rule, SpS, TopK
+from cactus_spec.core.rules import TAS, Cactus, Interp, Rule, SpS, TopK
 
 #: Drafted tokens per iteration: the best measured K on the default pair (README benchmark).
 DEFAULT_NUM_DRAFT_TOKENS = 10

@@ -29,21 +29,21 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from cactus_spec import lm_eval_args
-from cactus_spec.backends.load import BACKENDS
 from cactus_spec.backends.quant import QUANTS
-from cactus_spec.batch import Prompt, decode_all
-from cactus_spec.catalog import DEFAULT_PAIR
-from cactus_spec.engine import ModelSource, SpeculativeDecoder
-from cactus_spec.generation import GenerationResult
-from cactus_spec.methods import (
+from cactus_spec.core.methods import (
     DEFAULT_METHOD,
     DEFAULT_NUM_DRAFT_TOKENS,
     METHODS,
     build_rule,
 )
-from cactus_spec.models import check_load_options
-from cactus_spec.sampling import MAX_SEED, SamplingConfig
+from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
+from cactus_spec.lm_eval import args as lm_eval_args
+from cactus_spec.loading.backend import BACKENDS
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.models import check_load_options
+from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.engine import ModelSource, SpeculativeDecoder
+from cactus_spec.runtime.generation import GenerationResult
 
 __all__ = ["CactusSpecLM", "main"]
 

@@ -13,12 +13,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cactus_spec.engine import SpeculativeDecoder
-from cactus_spec.generation import GenerationResult
-from cactus_spec.policy import SpeculationPolicy
-from cactus_spec.rules import Rule
-from cactus_spec.sampling import SamplingConfig, check_seed
-from cactus_spec.scheduler import Request, Scheduler
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.sampling import SamplingConfig, check_seed
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.scheduler import Request, Scheduler
 
 
 @dataclass(frozen=True)
