@@ -3,7 +3,8 @@
     python benchmarks/batch_costs.py --rows 16 --k 0,1,2,4
 
 Loads the default pair for B rows, then for AR and each K decodes the first B HumanEval
-prompts together (40 new tokens each, paper sampling) and prints the prefill time, the
+prompts together through the engine's rows (40 new tokens each, paper sampling) and prints
+the prefill time, the
 decode tokens/s, and for iterations over the full batch the median step, draft and verify
 times and the tokens each step emitted. This is the measurement behind the speculation
 policy: where a verifier block of B (K + 1) tokens plus K draft steps costs more than the
@@ -17,26 +18,27 @@ import statistics
 import time
 
 from cactus_spec.bench.tasks import humaneval_items
-from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.scheduler import Request
 
 
-def run(decoder: SpeculativeDecoder, prompts: list[str], k: int, new_tokens: int) -> str:
-    rule = SpS() if k else None
+def run(engine: SpeculativeDecoder, prompts: list[str], k: int, new_tokens: int) -> str:
+    spec = DecodeSpec.of("sps", num_draft_tokens=k) if k else DecodeSpec.of("ar")
     gens = [
-        decoder.new_generation(decoder.encode(p), new_tokens, SamplingConfig(), i, rule=rule, row=i)
+        engine.new_generation(Request(engine.encode(p), new_tokens, SamplingConfig(), i, spec), i)
         for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
-    decoder.stepper.prefill(gens)
+    engine.prefill(gens)
     prefill = time.perf_counter() - start
     steps = []
     start = time.perf_counter()
     while active := [g for g in gens if not g.done]:
         began = time.perf_counter()
-        timing = decoder.stepper.step(active, [k] * len(active))
+        timing = engine.step(active, [k] * len(active))
         steps.append((time.perf_counter() - began, timing))
     decode = time.perf_counter() - start
     full = [(s, t) for s, t in steps if t.rows == len(prompts)]
@@ -59,11 +61,11 @@ def main() -> None:
     parser.add_argument("--k", default="0,1,2,4", help="K values; 0 is AR")
     parser.add_argument("--new-tokens", type=int, default=40)
     args = parser.parse_args()
-    decoder = SpeculativeDecoder(*DEFAULT_PAIR, SpS(), max_batch=args.rows)
+    engine = SpeculativeDecoder(*DEFAULT_PAIR, DecodeSpec.of("sps"), max_batch=args.rows)
     prompts = [item.prompt for item in humaneval_items(args.rows)]
     for k in (int(v) for v in args.k.split(",")):
         label = f"SpS K={k}" if k else "AR"
-        print(f"{label:>9}, B={args.rows}: {run(decoder, prompts, k, args.new_tokens)}", flush=True)
+        print(f"{label:>9}, B={args.rows}: {run(engine, prompts, k, args.new_tokens)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ measures costs, not speedups. Prints, one line each:
 
 - verifier forward of B rows x T tokens (T = 1 and 11) after a 256-token context: ms;
 - one draft step over B rows: ms, and c = draft step / verifier step at the same B;
-- batched autoregressive decoding through the stepper, B rows x 128 new tokens: tokens/s;
+- batched autoregressive decoding through the engine's rows, B rows x 128 new tokens: tokens/s;
 - Hugging Face ``generate`` (greedy, static shapes off) at B = 1 for comparison: tokens/s.
 """
 
@@ -23,7 +23,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.models import as_loaded
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.scheduler import Request
 
 BATCHES = (1, 4, 8, 16)
 CONTEXT = 256
@@ -52,16 +56,17 @@ def forward_ms(backend, tokens: int, rows: int) -> float:
     return 1000 * min(times)
 
 
-def ar_tokens_per_s(decoder: SpeculativeDecoder, rows: int, new: int) -> float:
+def ar_tokens_per_s(engine: SpeculativeDecoder, rows: int, new: int) -> float:
+    ar = DecodeSpec.of("ar")
     gens = [
-        decoder.new_generation([1 + r] * 32, new, SamplingConfig(), r, rule=None, row=r)
+        engine.new_generation(Request([1 + r] * 32, new, SamplingConfig(), r, ar), r)
         for r in range(rows)
     ]
-    decoder.stepper.prefill(gens)
+    engine.prefill(gens)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while active := [g for g in gens if not g.done]:
-        decoder.stepper.step(active, [0] * len(active))
+        engine.step(active, [0] * len(active))
     torch.cuda.synchronize()
     return sum(len(g.new_ids) for g in gens) / (time.perf_counter() - start)
 
@@ -84,10 +89,10 @@ def main() -> None:
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     verifier, draft = random_model(args.verifier_config), random_model(args.draft_config)
-    decoder = SpeculativeDecoder(
-        verifier, draft, num_draft_tokens=10, device="cuda", max_batch=max(BATCHES)
-    )
-    v_backend, d_backend = decoder.target_backend, decoder.drafter.backend
+    verifier = as_loaded("verifier", verifier, device="cuda")
+    draft = as_loaded("draft", draft, device="cuda")
+    v_backend = make_backend(verifier, "auto", max(BATCHES))
+    d_backend = make_backend(draft, "auto", max(BATCHES))
     for rows in BATCHES:
         one = forward_ms(v_backend, 1, rows)
         block = forward_ms(v_backend, 11, rows)
@@ -96,10 +101,12 @@ def main() -> None:
             f"B={rows:>2}: verifier T=1 {one:6.2f} ms, T=11 {block:6.2f} ms "
             f"(v = {block / one:.2f}); draft step {step:6.2f} ms (c = {step / one:.2f})"
         )
+    del v_backend, d_backend
+    engine = SpeculativeDecoder(verifier, spec=DecodeSpec.of("ar"), max_batch=max(BATCHES))
     for rows in BATCHES:
-        rate = ar_tokens_per_s(decoder, rows, args.new_tokens)
-        print(f"AR through the stepper, B={rows:>2}: {rate:7.1f} tokens/s")
-    rate = hf_tokens_per_s(decoder.target.model, args.new_tokens)
+        rate = ar_tokens_per_s(engine, rows, args.new_tokens)
+        print(f"AR through the engine's rows, B={rows:>2}: {rate:7.1f} tokens/s")
+    rate = hf_tokens_per_s(verifier.model, args.new_tokens)
     print(f"HF generate, B= 1: {rate:7.1f} tokens/s")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cactus_spec import Cactus, SpeculativeDecoder
+from cactus_spec import DecodeSpec, SpeculativeDecoder
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -38,8 +38,9 @@ def main() -> None:
     parser.add_argument("--verifier-quant", default="none", choices=["none", "int8"])
     args = parser.parse_args()
     torch.set_num_threads(2)
+    spec = DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=10)
     decoder = SpeculativeDecoder(
-        "qwen-coder-1.5b", "qwen-coder-0.5b", Cactus(1.0), 10, verifier_quant=args.verifier_quant
+        "qwen-coder-1.5b", "qwen-coder-0.5b", spec, verifier_quant=args.verifier_quant
     )
     print(memory_line(f"pair built, verifier {args.verifier_quant}"), flush=True)
     decoder.generate(PROMPT, 64)

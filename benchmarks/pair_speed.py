@@ -18,7 +18,7 @@ import resource
 
 import torch
 
-from cactus_spec import Cactus, SpeculativeDecoder, SpS
+from cactus_spec import DecodeSpec, SpeculativeDecoder
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.bench.tasks import humaneval_items
 from cactus_spec.loading.models import load_model
@@ -37,10 +37,12 @@ def main() -> None:
     drafts = {q: load_model("qwen-coder-0.5b", quant=q) for q in args.draft_quant.split(",")}
     print(f"peak RSS after loading: {peak_rss_gb():.2f} GB")
     prompts = [item.prompt for item in humaneval_items(args.n)]
-    decoders = {"AR": SpeculativeDecoder(target, None)}
+    sps = DecodeSpec.of("sps", num_draft_tokens=10)
+    cactus = DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=10)
+    decoders = {"AR": SpeculativeDecoder(target, spec=DecodeSpec.of("ar"))}
     for quant, draft in drafts.items():
-        decoders[f"SpS K10, {quant} draft"] = SpeculativeDecoder(target, draft, SpS(), 10)
-        decoders[f"Cactus(1) K10, {quant} draft"] = SpeculativeDecoder(target, draft, Cactus(1), 10)
+        decoders[f"SpS K10, {quant} draft"] = SpeculativeDecoder(target, draft, sps)
+        decoders[f"Cactus(1) K10, {quant} draft"] = SpeculativeDecoder(target, draft, cactus)
     for decoder in decoders.values():
         decoder.generate(prompts[0], 8)  # page weights in
     setup = f"verifier {args.verifier_dtype}/{args.verifier_quant}"

@@ -63,32 +63,30 @@ def key(case: dict) -> str:
     return f"{case['pair']}/{case['drafter']}/seed{case['seed']}/{'+'.join(case['rows'])}"
 
 
-def decode(decoder, case: dict) -> list[list[int]]:
-    """The new tokens of every row of ``case``, all rows decoded together."""
-    from cactus_spec.core.methods import build_rule
-    from cactus_spec.core.sampling import SamplingConfig
-    from cactus_spec.runtime.scheduler import Request, Scheduler
+def spec_of(method: str, drafter: str):
+    from cactus_spec.core.spec import DecodeSpec
 
-    results: dict[int, list[int]] = {}
-    scheduler = Scheduler(decoder, max_queue=len(case["rows"]))
-    for row, method in enumerate(case["rows"]):
-        name, params = METHODS[method]
-        ids = decoder.encode(PROMPTS[row])
-        request = Request(
-            ids,
+    name, params = METHODS[method]
+    if name == "ar":
+        return DecodeSpec.of("ar")
+    return DecodeSpec.of(name, **params, num_draft_tokens=K, drafter=drafter)
+
+
+def decode(engine, case: dict) -> list[list[int]]:
+    """The new tokens of every row of ``case``, all rows decoded together."""
+    from cactus_spec.core.sampling import SamplingConfig
+    from cactus_spec.runtime.batch import Prompt
+
+    prompts = [
+        Prompt(
+            engine.encode(PROMPTS[row]),
             NEW_TOKENS,
-            SamplingConfig(),
             case["seed"] + 1000 * row,
-            build_rule(name, params),
-            K if name != "ar" else None,
-            on_done=lambda result, row=row: results.__setitem__(row, result.token_ids),
+            spec=spec_of(method, case["drafter"]),
         )
-        scheduler.submit(request)  # every row queued before the loop starts: one batch
-    scheduler.start()
-    while len(results) < len(case["rows"]):
-        scheduler._thread.join(0.1)
-    scheduler.stop()
-    return [results[row] for row in range(len(case["rows"]))]
+        for row, method in enumerate(case["rows"])
+    ]
+    return [r.token_ids for r in engine.decode_many(prompts, SamplingConfig())]
 
 
 def run(out: Path) -> None:
@@ -99,18 +97,17 @@ def run(out: Path) -> None:
         lines = out.read_text().splitlines()
         done = {json.loads(line)["case"] for line in lines if line.strip()}
     todo = [c for c in cases() if key(c) not in done]
-    decoders: dict[tuple[str, str], object] = {}
+    engines: dict[tuple[str, str], object] = {}
     with out.open("a") as sink:
         for case in todo:
             target, draft = PAIRS[case["pair"]]
             slot = (case["pair"], case["drafter"])
-            if slot not in decoders:
-                decoders.clear()
+            if slot not in engines:
+                engines.clear()
                 model_draft = draft if case["drafter"] == "model" else None
-                decoders[slot] = SpeculativeDecoder(
-                    target, model_draft, None, K, case["drafter"], max_batch=len(MIXED)
-                )
-            tokens = decode(decoders[slot], case)
+                spec = spec_of("sps", case["drafter"])
+                engines[slot] = SpeculativeDecoder(target, model_draft, spec, max_batch=len(MIXED))
+            tokens = decode(engines[slot], case)
             sink.write(json.dumps({"case": key(case), "tokens": tokens}) + "\n")
             sink.flush()
             print(key(case), [len(t) for t in tokens], file=sys.stderr)

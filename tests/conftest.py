@@ -9,7 +9,26 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.spec import DecodeSpec, parse_spec
 from cactus_spec.loading.models import LoadedModel, load_model
+
+#: Autoregressive decoding: the verifier alone.
+AR = DecodeSpec.of("ar")
+
+
+def spec_of(
+    rule: Rule | None, k: int | None = DEFAULT_NUM_DRAFT_TOKENS, drafter: str = "model"
+) -> DecodeSpec:
+    """The spec of a rule object (None: ar) with K and the drafter, through the registry."""
+    if rule is None:
+        return AR
+    (method,) = [m.name for m in METHODS.values() if m.rule is type(rule)]
+    params = {name: getattr(rule, name) for name in METHODS[method].defaults}
+    given = {"method": method, **params, "drafter": drafter}
+    spec = parse_spec({**given, "num_draft_tokens": 1 if k is None else k})
+    return spec if k is not None else spec.with_num_draft_tokens(None)
 
 LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_lm
+from conftest import AR, make_tiny_lm, spec_of
 from test_engine import noisy_copy
 
 from cactus_spec.core.rules import TAS, Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
+from cactus_spec.runtime.scheduler import Request
 
 #: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
 ROWS = [
@@ -30,30 +32,35 @@ def decoder(batch: int, device: str = "cpu") -> SpeculativeDecoder:
     return SpeculativeDecoder(target, draft, max_batch=batch, device=device)
 
 
+def start(d: SpeculativeDecoder, index: int, row: int = 0) -> Generation:
+    """The generation of ROWS[index] in ``row`` of the engine."""
+    prompt, seed, sampling, rule, k = ROWS[index]
+    request = Request(prompt, LENGTHS[index], sampling, seed, spec_of(rule, k))
+    return d.new_generation(request, row)
+
+
+def fixed_ks(generations: list[Generation]) -> list[int]:
+    return [g.spec.num_draft_tokens for g in generations]
+
+
 def alone(row: int, device: str = "cpu") -> list[int]:
-    prompt, seed, sampling, rule, k = ROWS[row]
     d = decoder(1, device)
-    g = d.new_generation(prompt, LENGTHS[row], sampling, seed, rule=rule, num_draft_tokens=k)
-    d.stepper.prefill([g])
+    g = start(d, row)
+    d.prefill([g])
     while not g.done:
-        d.stepper.step([g], [k])
+        d.step([g], fixed_ks([g]))
     return g.new_ids
 
 
 def together(d: SpeculativeDecoder, shared_generator: bool = False) -> list[list[int]]:
     """Every row of ROWS decoded in one batch; rows that finish leave it."""
-    generations = [
-        d.new_generation(prompt, n, sampling, seed, rule=rule, num_draft_tokens=k, row=row)
-        for row, ((prompt, seed, sampling, rule, k), n) in enumerate(
-            zip(ROWS, LENGTHS, strict=True)
-        )
-    ]
+    generations = [start(d, row, row) for row in range(len(ROWS))]
     if shared_generator:
         for g in generations:
             g.generator = generations[0].generator
-    d.stepper.prefill(generations)
+    d.prefill(generations)
     while active := [g for g in generations if not g.done]:
-        d.stepper.step(active, [g.num_draft_tokens for g in active])
+        d.step(active, fixed_ks(active))
     return [g.new_ids for g in generations]
 
 
@@ -73,7 +80,7 @@ def test_a_row_in_a_batch_gives_the_tokens_it_gives_alone(device: str) -> None:
     assert [len(ids) for ids in batched] == LENGTHS
     for row in range(len(ROWS)):
         assert batched[row] == alone(row, device), row
-    accepted = [d.stepper.verifier.length_of(row) for row in range(len(ROWS))]
+    accepted = [d._verifier.length_of(row) for row in range(len(ROWS))]  # white-box
     assert all(n > 0 for n in accepted)
 
 
@@ -84,18 +91,14 @@ def test_negative_control_rows_sharing_one_generator_differ_from_alone() -> None
 
 def test_a_row_joins_a_batch_midway_and_still_gives_its_own_tokens() -> None:
     d = decoder(2)
-    prompt, seed, sampling, rule, k = ROWS[0]
-    first = d.new_generation(prompt, LENGTHS[0], sampling, seed, rule=rule, num_draft_tokens=k)
-    d.stepper.prefill([first])
+    first = start(d, 0)
+    d.prefill([first])
     for _ in range(3):
-        d.stepper.step([first], [k])
-    prompt1, seed1, sampling1, rule1, k1 = ROWS[1]
-    second = d.new_generation(
-        prompt1, LENGTHS[1], sampling1, seed1, rule=rule1, num_draft_tokens=k1, row=1
-    )
-    d.stepper.prefill([second])
+        d.step([first], fixed_ks([first]))
+    second = start(d, 1, row=1)
+    d.prefill([second])
     while active := [g for g in (first, second) if not g.done]:
-        d.stepper.step(active, [g.num_draft_tokens for g in active])
+        d.step(active, fixed_ks(active))
     assert first.new_ids == alone(0)
     assert second.new_ids == alone(1)
 
@@ -105,9 +108,9 @@ def test_the_transformers_backend_refuses_a_batch() -> None:
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="a batch of 4 rows needs the lean backend"):
-        SpeculativeDecoder(gpt2, None, max_batch=4)
+        SpeculativeDecoder(gpt2, spec=AR, max_batch=4)
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
-        SpeculativeDecoder(gpt2, None, max_batch=0)
+        SpeculativeDecoder(gpt2, spec=AR, max_batch=0)
 
 
 def test_cost_table_interpolates_and_extrapolates() -> None:
@@ -140,25 +143,32 @@ def policy_with(draft_step: float, verify: dict[int, float]) -> SpeculationPolic
 
 def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_dear() -> None:
     d = decoder(1)
-    g = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, num_draft_tokens=None)
+    g = generation(d, [1, 2, 3], spec_of(Cactus(1.0), None))
     # memory-bound verifier: 9 tokens cost what 1 does; a cheap draft step
     cheap = policy_with(0.002, {1: 0.050, 9: 0.052, 16: 0.060, 144: 0.9})
-    assert cheap.choose([g]) == [8]
+    assert cheap.choose([g], [0]) == [8]
     # compute-bound verifier (cost proportional to tokens): drafting cannot pay
     dear = policy_with(0.010, {1: 0.050, 9: 0.450, 144: 7.2})
-    assert dear.choose([g]) == [0]
+    assert dear.choose([g], [0]) == [0]
     # rows that fixed K keep it, autoregressive rows draft nothing
-    fixed = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, num_draft_tokens=3)
-    ar = d.new_generation([1, 2, 3], 50, SamplingConfig(), 0, rule=None)
-    k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g])
+    fixed = generation(d, [1, 2, 3], spec_of(Cactus(1.0), 3))
+    ar = generation(d, [1, 2, 3], AR)
+    k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g], [0, 0, 0])
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
 
 
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     d = decoder(1)
-    g = d.new_generation(list(range(1, 101)), 50, SamplingConfig(), 0, num_draft_tokens=None)
+    g = generation(d, list(range(1, 101)), spec_of(Cactus(1.0), None))
     policy = policy_with(0.002, {1: 0.050, 9: 0.052, 16: 0.060, 144: 0.9})
     policy.catch_up_token_s = 0.050  # a slow drafter: 100 prompt tokens to read cost 5 s
-    assert g.drafter_lag == 100 and policy.choose([g]) == [0]
-    g.drafter_seen = len(g.context)  # caught up: drafting pays again
-    assert policy.choose([g]) == [8]
+    behind = d.behind([g])
+    assert behind == [100] and policy.choose([g], behind) == [0]
+    assert policy.choose([g], [0]) == [8]  # caught up: drafting pays again
+    d.prefill([g])
+    d.step([g], [2])  # the drafter reads the prompt: it is caught up
+    assert d.behind([g])[0] <= 3
+
+
+def generation(d: SpeculativeDecoder, prompt: list[int], spec) -> Generation:
+    return d.new_generation(Request(prompt, 50, SamplingConfig(), 0, spec), 0)

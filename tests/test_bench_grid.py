@@ -33,7 +33,7 @@ def test_cli_entries_expand_to_the_product() -> None:
         for e in ("false", "true")
         for k in (4, 6)
     ]
-    assert grid[-1].rule() == Cactus(1.0, exact=True)
+    assert grid[-1].spec.rule == Cactus(1.0, exact=True)
     assert grid[0].num_draft_tokens == 0 and grid[0].drafter is None
 
 
@@ -87,10 +87,10 @@ def test_toml_and_json_files_give_the_same_grid(tmp_path) -> None:
         ("hf:alpha=0.1", "hf does not take alpha"),
         ("cactus:delta=-1", "cactus: delta must be a finite number >= 0"),
         ("cactus:delta=abc", "cactus: delta must be a number"),
-        ("cactus:exact=maybe", "cactus: exact must be a boolean"),
+        ("cactus:exact=maybe", "cactus: exact must be true or false"),
         ("topk:k=2.5", "topk: k must be an integer"),
         ("tas:epsilon=2", r"tas: epsilon must be a number in \[0, 1\]"),
-        ("sps:num_draft_tokens=0", "num_draft_tokens must be >= 1"),
+        ("sps:num_draft_tokens=0", "num_draft_tokens must be an integer >= 1"),
         ("sps:drafter=oracle", "drafter must be one of model, ngram"),
         ("ar:num_draft_tokens=4", "ar drafts nothing"),
         ("cactus:delta", "expected KEY=V1,V2"),

@@ -30,12 +30,12 @@ def test_build_rule_defaults_and_overrides() -> None:
     ("argv", "message"),
     [
         (["--method", "bogus"], "method must be one of ar, sps, cactus"),
-        (["--method", "sps", "--delta", "0.5"], "delta does not apply to method sps"),
-        (["--method", "cactus", "--k", "3"], r"k does not apply to method cactus \(it applies"),
+        (["--method", "sps", "--delta", "0.5"], "--delta does not apply to --method sps"),
+        (["--method", "cactus", "--k", "3"], r"--k does not apply to --method cactus \(it applies"),
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
         (["--method", "cactus", "--delta", "-1"], "delta must be a finite number >= 0"),
         (["--method", "tas", "--epsilon", "2"], r"epsilon must be a number in \[0, 1\]"),
-        (["--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1, got 0"),
         (["--temperature", "-0.5"], "temperature must be >= 0"),
         (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
@@ -60,7 +60,7 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--method", "sps", "--delta", "0.5"], "delta does not apply to method sps"),
+        (["--method", "sps", "--delta", "0.5"], "--delta does not apply to --method sps"),
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
         (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
         (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),

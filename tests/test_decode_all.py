@@ -1,16 +1,16 @@
-"""``batch.decode_all``: a list of prompts through the scheduler's rows, refilled as rows
-free up, gives each prompt the tokens it gives alone, hands each result over once, and
-stops on a failing callback."""
+"""The engine's ``decode_many`` (``batch.decode_all``): a list of prompts through the
+scheduler's rows, refilled as rows free up, gives each prompt the tokens it gives alone,
+hands each result over once, and stops on a failing callback."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_lm
+from conftest import AR, make_tiny_lm, spec_of
 from test_engine import noisy_copy
 
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
-from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 PROMPTS = [
@@ -25,7 +25,9 @@ SAMPLING = SamplingConfig(0.8, 0, 1.0)
 
 def decoder(batch: int) -> SpeculativeDecoder:
     target = make_tiny_lm(seed=0)
-    return SpeculativeDecoder(target, noisy_copy(target, 0.4, seed=1), SpS(), 3, max_batch=batch)
+    return SpeculativeDecoder(
+        target, noisy_copy(target, 0.4, seed=1), spec_of(SpS(), 3), max_batch=batch
+    )
 
 
 def test_more_prompts_than_rows_each_give_their_tokens_alone() -> None:
@@ -35,21 +37,21 @@ def test_more_prompts_than_rows_each_give_their_tokens_alone() -> None:
         for p in PROMPTS
     ]
     seen: list[int] = []
-    results = decode_all(decoder(2), PROMPTS, SAMPLING, on_result=lambda i, _: seen.append(i))
+    results = decoder(2).decode_many(PROMPTS, SAMPLING, on_result=lambda i, _: seen.append(i))
     assert [r.token_ids for r in results] == expected
     assert sorted(seen) == list(range(len(PROMPTS)))
     assert seen != list(range(len(PROMPTS)))  # short prompts finish first: rows were refilled
 
 
 def test_negative_control_other_seeds_give_other_tokens() -> None:
-    results = decode_all(decoder(2), PROMPTS, SAMPLING)
+    results = decoder(2).decode_many(PROMPTS, SAMPLING)
     reseeded = [Prompt(p.ids, p.max_new_tokens, p.seed + 100) for p in PROMPTS]
-    others = decode_all(decoder(2), reseeded, SAMPLING)
+    others = decoder(2).decode_many(reseeded, SAMPLING)
     assert [r.token_ids for r in results] != [r.token_ids for r in others]
 
 
 def test_autoregressive_rows_draft_nothing() -> None:
-    results = decode_all(decoder(3), PROMPTS, SAMPLING, rule=None)
+    results = decoder(3).decode_many(PROMPTS, SAMPLING, spec=AR)
     assert all(r.stats.drafted == 0 and r.stats.new_tokens > 0 for r in results)
 
 
@@ -58,11 +60,11 @@ def test_a_failing_callback_stops_the_run_and_is_raised() -> None:
         raise OSError(f"disk full at {index}")
 
     with pytest.raises(OSError, match="disk full"):
-        decode_all(decoder(2), PROMPTS, SAMPLING, on_result=explode)
+        decoder(2).decode_many(PROMPTS, SAMPLING, on_result=explode)
 
 
 def test_bad_input_is_refused_before_decoding() -> None:
     with pytest.raises(ValueError, match="seed"):
-        decode_all(decoder(1), [Prompt([1, 2], 4, seed=-1)], SAMPLING)
+        decoder(1).decode_many([Prompt([1, 2], 4, seed=-1)], SAMPLING)
     with pytest.raises(ValueError, match="context overflow"):
-        decode_all(decoder(1), [Prompt([1, 2], 10_000)], SAMPLING)
+        decoder(1).decode_many([Prompt([1, 2], 10_000)], SAMPLING)

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import make_tiny_lm
+from conftest import AR, make_tiny_lm, spec_of
 
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import VocabularyMismatchError
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
@@ -44,7 +45,7 @@ def reference_greedy(model, prompt: list[int], count: int, eos: int | None = Non
 def test_greedy_sps_equals_verifier_greedy(k: int) -> None:
     target = make_tiny_lm()
     draft = noisy_copy(target, 0.3, seed=1)
-    result = SpeculativeDecoder(target, draft, SpS(), k).generate(
+    result = SpeculativeDecoder(target, draft, spec_of(SpS(), k)).generate(
         PROMPT, max_new_tokens=40, temperature=0
     )
     assert result.token_ids == reference_greedy(target, PROMPT, 40)
@@ -54,7 +55,7 @@ def test_greedy_sps_equals_verifier_greedy(k: int) -> None:
 
 def test_greedy_ngram_drafter_equals_verifier_greedy() -> None:
     target = make_tiny_lm()
-    result = SpeculativeDecoder(target, None, SpS(), 4, drafter="ngram").generate(
+    result = SpeculativeDecoder(target, None, spec_of(SpS(), 4, drafter="ngram")).generate(
         PROMPT * 3, max_new_tokens=40, temperature=0
     )
     assert result.token_ids == reference_greedy(target, PROMPT * 3, 40)
@@ -68,7 +69,7 @@ def test_eos_inside_an_accepted_block_ends_generation() -> None:
     first = reference.index(eos)
     target.generation_config.eos_token_id = eos
     draft = noisy_copy(target, 0.0, seed=0)  # identical: every draft is accepted
-    result = SpeculativeDecoder(target, draft, SpS(), 8).generate(
+    result = SpeculativeDecoder(target, draft, spec_of(SpS(), 8)).generate(
         PROMPT, max_new_tokens=30, temperature=0
     )
     assert result.token_ids == reference[: first + 1]
@@ -101,7 +102,7 @@ def test_statistics_count_only_emitted_drafts_at_eos_for_every_k(k: int) -> None
     target = make_tiny_lm(seed=3)
     eos = reference_greedy(target, PROMPT, 4)[3]
     target.generation_config.eos_token_id = eos
-    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.0, seed=0), Cactus(1.0), k)
+    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.0, seed=0), spec_of(Cactus(1.0), k))
     ended_in_draft = 0
     for seed in range(8):
         result = decoder.generate(PROMPT, 200, temperature=1.0, top_k=0, top_p=1.0, seed=seed)
@@ -122,7 +123,7 @@ def test_statistics_count_only_emitted_drafts_at_eos_for_every_k(k: int) -> None
 def test_budget_is_exact() -> None:
     target = make_tiny_lm()
     target.config.eos_token_id = target.generation_config.eos_token_id = None
-    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.0, 0), SpS(), 8)
+    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.0, 0), spec_of(SpS(), 8))
     for budget in (1, 2, 9, 17):
         result = decoder.generate(PROMPT, max_new_tokens=budget, temperature=0.8, seed=1)
         assert len(result.token_ids) == budget
@@ -132,8 +133,8 @@ def test_cactus_delta_zero_equals_sps_for_the_same_seed() -> None:
     target = make_tiny_lm()
     draft = noisy_copy(target, 0.5, seed=2)
     for exact in (False, True):
-        sps = SpeculativeDecoder(target, draft, SpS(), 4).generate(PROMPT, 30, 0.9, seed=3)
-        cactus = SpeculativeDecoder(target, draft, Cactus(0.0, exact), 4).generate(
+        sps = SpeculativeDecoder(target, draft, spec_of(SpS(), 4)).generate(PROMPT, 30, 0.9, seed=3)
+        cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(0.0, exact), 4)).generate(
             PROMPT, 30, 0.9, seed=3
         )
         assert cactus.token_ids == sps.token_ids
@@ -142,8 +143,10 @@ def test_cactus_delta_zero_equals_sps_for_the_same_seed() -> None:
 def test_divergence_meter_reads_zero_for_sps_and_positive_for_cactus() -> None:
     target = make_tiny_lm()
     draft = noisy_copy(target, 1.0, seed=4)
-    sps = SpeculativeDecoder(target, draft, SpS(), 4).generate(PROMPT, 40, 1.0, 0, 1.0, seed=5)
-    cactus = SpeculativeDecoder(target, draft, Cactus(1.0), 4).generate(
+    sps = SpeculativeDecoder(target, draft, spec_of(SpS(), 4)).generate(
+        PROMPT, 40, 1.0, 0, 1.0, seed=5
+    )
+    cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(1.0), 4)).generate(
         PROMPT, 40, 1.0, 0, 1.0, seed=5
     )
     assert sps.stats.kl_nats == 0
@@ -188,8 +191,8 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus() -> 
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
-    sps = SpeculativeDecoder(target, draft, SpS(), 2)
-    cactus = SpeculativeDecoder(target, draft, Cactus(5.0), 2)
+    sps = SpeculativeDecoder(target, draft, spec_of(SpS(), 2))
+    cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(5.0), 2))
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)
     assert negative < 1e-6  # negative control: the same test can fail
@@ -209,18 +212,24 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus() -> 
     ],
 )
 def test_bad_generate_arguments(kwargs: dict, message: str) -> None:
-    decoder = SpeculativeDecoder(make_tiny_lm(), None)
+    decoder = SpeculativeDecoder(make_tiny_lm(), spec=AR)
     args = {"prompt": PROMPT, "max_new_tokens": 4} | kwargs
     with pytest.raises(ValueError, match=message):
         decoder.generate(**args)
 
 
 def test_bad_constructor_arguments() -> None:
-    with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
-        SpeculativeDecoder(make_tiny_lm(), None, SpS(), 0)
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 1"):
+        SpeculativeDecoder(make_tiny_lm(), None, spec_of(SpS(), 0))
     with pytest.raises(ValueError, match="drafter must be"):
-        SpeculativeDecoder(make_tiny_lm(), None, SpS(), 2, drafter="layerskip")
+        SpeculativeDecoder(make_tiny_lm(), None, DecodeSpec.of("sps", drafter="layerskip"))
     with pytest.raises(VocabularyMismatchError, match="128.*64|64.*128"):
         SpeculativeDecoder(make_tiny_lm(128), make_tiny_lm(64))
     with pytest.raises(ValueError, match="cactus-spec models fetch"):
-        SpeculativeDecoder("/nonexistent/model.gguf")
+        SpeculativeDecoder("/nonexistent/model.gguf", spec=AR)
+    with pytest.raises(ValueError, match="method sps with the model drafter needs a draft model"):
+        SpeculativeDecoder(make_tiny_lm(), None, spec_of(SpS(), 2))
+    with pytest.raises(ValueError, match="a draft model does not apply to method ar"):
+        SpeculativeDecoder(make_tiny_lm(), make_tiny_lm(), AR)
+    with pytest.raises(TypeError, match="spec must be a DecodeSpec"):
+        SpeculativeDecoder(make_tiny_lm(), None, SpS())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_lm
+from conftest import AR, make_tiny_lm, spec_of
 
 from cactus_spec import (
     TAS,
@@ -106,7 +106,7 @@ def test_divergences_refuse_mismatched_shapes_and_nan(function) -> None:
 
 @pytest.fixture(scope="module")
 def decoder() -> SpeculativeDecoder:
-    return SpeculativeDecoder(make_tiny_lm(), None)
+    return SpeculativeDecoder(make_tiny_lm(), spec=AR)
 
 
 @pytest.mark.parametrize(
@@ -141,11 +141,11 @@ def test_generate_takes_the_largest_seed(decoder) -> None:
 @pytest.mark.parametrize(("target", "kind"), [(None, "NoneType"), (3, "int")])
 def test_decoder_refuses_a_target_that_is_no_model(target, kind: str) -> None:
     with pytest.raises(TypeError, match=f"target must be a model name, path.*got {kind}"):
-        SpeculativeDecoder(target)
+        SpeculativeDecoder(target, spec=AR)
 
 
-def test_decoder_refuses_a_rule_that_is_no_rule() -> None:
-    with pytest.raises(TypeError, match="rule must be a Rule"):
+def test_decoder_refuses_a_spec_that_is_no_spec() -> None:
+    with pytest.raises(TypeError, match="spec must be a DecodeSpec"):
         SpeculativeDecoder(make_tiny_lm(), None, "cactus")
 
 
@@ -153,7 +153,7 @@ def test_context_overflow_without_drafting_does_not_mention_drafts(decoder) -> N
     with pytest.raises(ValueError, match="context overflow") as caught:
         decoder.generate(list(range(100)) * 2 + [1] * 50, 10)
     assert "draft" not in str(caught.value)
-    drafting = SpeculativeDecoder(make_tiny_lm(), make_tiny_lm(seed=1), SpS(), 4)
+    drafting = SpeculativeDecoder(make_tiny_lm(), make_tiny_lm(seed=1), spec_of(SpS(), 4))
     with pytest.raises(ValueError, match=r"num_draft_tokens \(4\)"):
         drafting.generate(list(range(100)) * 2 + [1] * 45, 10)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_lm
+from conftest import make_tiny_lm, spec_of
 from test_engine import (
     PROMPT,
     chi_square_p_value,
@@ -60,7 +60,7 @@ def test_logits_equal_transformers_in_float32(arch: str) -> None:
     for block in ([3, 17, 42, 8, 99, 1], [5], [6, 7, 8, 9]):
         expected, got = hf.append(block), lean.append(block)  # [T, V]
         assert (got - expected).abs().max() <= FP32_TOLERANCE
-    assert lean.length == hf.length == 11
+    assert lean.length_of(0) == hf.length_of(0) == 11
 
 
 @pytest.mark.parametrize("arch", MODELS)
@@ -82,10 +82,10 @@ def test_rows_of_different_lengths_get_their_own_logits(arch: str) -> None:
     block = torch.tensor([[20, 21, 22], [30, 31, 32], [40, 41, 42]])  # [B, T]
     batched = LeanBackend(LeanModel(model), batch=3)
     padded = torch.tensor([p + [0] * (6 - len(p)) for p in prompts])  # [B, 6]
-    batched.append_rows(padded)
+    batched.append_ragged(padded.tolist(), [0, 1, 2])
     for row, prompt in enumerate(prompts):
         batched.rollback(len(prompt), row)
-    together = batched.append_rows(block)  # [B, T, V]
+    together = batched.append_ragged(block.tolist(), [0, 1, 2])  # B x [T, V]
     for row, prompt in enumerate(prompts):
         alone = LeanBackend(LeanModel(model))
         alone.append(prompt)
@@ -96,8 +96,8 @@ def test_rows_of_different_lengths_get_their_own_logits(arch: str) -> None:
 def test_negative_control_a_row_without_its_rollback_differs() -> None:
     model = make_tiny_lm()
     batched = LeanBackend(LeanModel(model), batch=2)
-    batched.append_rows(torch.tensor([[3, 17, 0], [42, 8, 99]]))
-    together = batched.append_rows(torch.tensor([[20, 21], [30, 31]]))  # row 0 keeps its 0
+    batched.append_ragged([[3, 17, 0], [42, 8, 99]], [0, 1])
+    together = batched.append_ragged([[20, 21], [30, 31]], [0, 1])  # row 0 keeps its 0
     alone = LeanBackend(LeanModel(model))
     alone.append([3, 17])
     assert (together[0] - alone.append([20, 21])).abs().max() > 1e-2
@@ -109,7 +109,7 @@ def test_greedy_sps_on_the_lean_backend_equals_the_verifier(k: int) -> None:
     draft = noisy_copy(make_tiny_lm(), 0.0, 0)  # a different model: many rejections
     draft.config.vocab_size = 128
     for backend in ("lean", "hf"):
-        result = SpeculativeDecoder(target, draft, SpS(), k, backend=backend).generate(
+        result = SpeculativeDecoder(target, draft, spec_of(SpS(), k), backend=backend).generate(
             PROMPT, 30, temperature=0
         )
         assert result.token_ids == reference_greedy(target, PROMPT, 30), backend
@@ -135,8 +135,8 @@ def test_a_quantised_draft_keeps_sps_exact_in_law(quant) -> None:
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
-    sps = SpeculativeDecoder(target, draft, SpS(), 2)
-    cactus = SpeculativeDecoder(target, draft, Cactus(5.0), 2)
+    sps = SpeculativeDecoder(target, draft, spec_of(SpS(), 2))
+    cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(5.0), 2))
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     assert chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs) < 1e-6
 

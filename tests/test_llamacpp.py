@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import AR
 
 from cactus_spec.bench import command, llamacpp
 from cactus_spec.bench.grid import expand, parse_entry
@@ -30,7 +31,7 @@ def test_greedy_prompt_lookup_equals_plain_decoding(smollm) -> None:
     """Prompt lookup is lossless: at temperature 0 it emits exactly llama.cpp's greedy tokens."""
     plain, lookup = expand([parse_entry("llamacpp"), parse_entry("llamacpp_lookup")])
     peers = llamacpp.LlamaCppPeers(llamacpp.gguf_of(smollm), 512, 2)
-    ids = SpeculativeDecoder(smollm, None).encode(PROMPT)
+    ids = SpeculativeDecoder(smollm, spec=AR).encode(PROMPT)
     greedy = SamplingConfig(temperature=0.0)
     first = peers.generate(plain, ids, 40, greedy, seed=0)
     second = peers.generate(lookup, ids, 40, greedy, seed=0)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import AR, spec_of
 
 from cactus_spec.core.rules import SpS
 from cactus_spec.loading.models import LoadedModel, load_model
@@ -95,8 +96,8 @@ def samples(results: dict, task: str) -> list[dict]:
 
 
 def test_greedy_responses_are_the_engines_tokens(sps_results: dict, smollm: LoadedModel) -> None:
-    ar = SpeculativeDecoder(smollm, None)
-    sps = SpeculativeDecoder(smollm, smollm, SpS(), 3)
+    ar = SpeculativeDecoder(smollm, spec=AR)
+    sps = SpeculativeDecoder(smollm, smollm, spec_of(SpS(), 3))
     docs = jsonl("gen.jsonl")
     hits = []
     for sample, doc in zip(samples(sps_results, GEN), docs, strict=True):
@@ -189,7 +190,7 @@ def test_sampled_requests_are_the_engines_with_derived_seeds(offline, sps_lm) ->
     texts = sps_lm.generate_until(requests, disable_tqdm=True)
     for i, context in enumerate(contexts):
         options = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "stop": ["\n"], "chat": False}
-        alone = sps_lm.decoder.generate(context, 6, seed=request_seed(0, i), **options)
+        alone = sps_lm.engine.generate(context, 6, seed=request_seed(0, i), **options)
         assert texts[i] == alone.text
     assert len({request_seed(0, i) for i in range(100)} | {request_seed(1, 0)}) == 101
 

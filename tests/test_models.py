@@ -35,7 +35,7 @@ def test_append_returns_float32_logits_per_new_token(tiny_lm):
     logits = backend.append([1, 2, 3, 4])
     assert logits.shape == (4, 128) and logits.dtype == torch.float32
     assert backend.append(torch.tensor([5])).shape == (1, 128)
-    assert backend.length == 5
+    assert backend.length_of(0) == 5
     assert backend.vocab_size == 128 and backend.context_length == 256
 
 
@@ -52,7 +52,7 @@ def test_rollback_matches_fresh_forward(tiny_lm):
     torch.testing.assert_close(after, expected[-3:], atol=1e-5, rtol=0)
     kept = slice(len(prompt), len(prompt) + 2)
     torch.testing.assert_close(first[:2], expected[kept], atol=1e-5, rtol=0)
-    assert backend.length == len(prompt) + 5
+    assert backend.length_of(0) == len(prompt) + 5
 
 
 def test_reset_and_bad_rollback(tiny_lm):
@@ -61,7 +61,7 @@ def test_reset_and_bad_rollback(tiny_lm):
     with pytest.raises(ValueError, match="rollback length"):
         backend.rollback(4)
     backend.reset()
-    assert backend.length == 0
+    assert backend.length_of(0) == 0
     torch.testing.assert_close(backend.append([1, 2, 3]), expected, atol=1e-5, rtol=0)
 
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from conftest import spec_of
 
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.loading.models import LoadedModel, load_model
@@ -39,16 +40,21 @@ def smollm() -> LoadedModel:
     return load_model(fetch("smollm2-135m"), dtype="float32")
 
 
-def decoder_for(smollm: LoadedModel, drafter: str, batch: int) -> SpeculativeDecoder:
+def decoder_for(
+    smollm: LoadedModel, drafter: str, batch: int, policy: str = "auto"
+) -> SpeculativeDecoder:
+    """Cactus(1) with ``drafter``; with the auto policy, requests that give no K leave it to
+    the policy (up to K), as ``cactus-spec serve`` does."""
     draft = smollm if drafter == "model" else None
-    return SpeculativeDecoder(smollm, draft, Cactus(1.0), K, drafter, max_batch=batch)
+    spec = spec_of(Cactus(1.0), None if policy == "auto" else K, drafter)
+    return SpeculativeDecoder(smollm, draft, spec, max_draft_tokens=K, max_batch=batch)
 
 
 class Served:
     """A live server and what it runs on."""
 
     def __init__(self, smollm, drafter="model", batch=4, queue=32, api_key=None, policy="auto"):
-        self.decoder = decoder_for(smollm, drafter, batch)
+        self.decoder = decoder_for(smollm, drafter, batch, policy)
         self.scheduler = start_scheduler(self.decoder, policy, queue)
         app = create_app(self.scheduler, ServerConfig(MODEL_ID, api_key, 32))
         self.background = BackgroundServer(app)
@@ -82,7 +88,7 @@ def offline(smollm):
 
 
 def drafter_of(served: Served) -> str:
-    return "model" if served.decoder.drafter.__class__.__name__ == "ModelDrafter" else "ngram"
+    return served.decoder.spec.drafter
 
 
 SPECULATIVE = {"method": "cactus", "delta": 1.0, "num_draft_tokens": K}
@@ -306,5 +312,5 @@ def test_sps_and_ar_requests_share_a_batch_with_cactus(one: Served, offline, smo
         texts = list(pool.map(ask, methods))
     rules = [(SpS(), 2), (None, 1), (Cactus(0.5), 4)]
     for text, (rule, k) in zip(texts, rules, strict=True):
-        decoder = SpeculativeDecoder(smollm, smollm if rule else None, rule, k)
+        decoder = SpeculativeDecoder(smollm, smollm if rule else None, spec_of(rule, k))
         assert text == decoder.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 21, chat=False).text

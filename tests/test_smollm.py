@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import AR, spec_of
 
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.core.rules import Cactus, SpS
@@ -32,8 +33,8 @@ def top_two_gap(model, ids: list[int]) -> float:
 
 def test_greedy_ngram_sps_equals_autoregressive(smollm: LoadedModel) -> None:
     prompt = "List the numbers from one to twenty in words, separated by commas."
-    ar = SpeculativeDecoder(smollm, None).generate(prompt, 64, temperature=0)
-    sps = SpeculativeDecoder(smollm, None, SpS(), 4, drafter="ngram").generate(
+    ar = SpeculativeDecoder(smollm, spec=AR).generate(prompt, 64, temperature=0)
+    sps = SpeculativeDecoder(smollm, None, spec_of(SpS(), 4, drafter="ngram")).generate(
         prompt, 64, temperature=0
     )
     assert sps.stats.accepted > 0  # the lookup drafter did find continuations
@@ -42,7 +43,7 @@ def test_greedy_ngram_sps_equals_autoregressive(smollm: LoadedModel) -> None:
 
 def assert_same_greedy_tokens(verifier: LoadedModel, prompt: str, ar: list, other: list) -> None:
     """``other`` equals the greedy tokens ``ar`` up to the first exact near-tie."""
-    prompt_ids = SpeculativeDecoder(verifier, None).encode(prompt)
+    prompt_ids = SpeculativeDecoder(verifier, spec=AR).encode(prompt)
     for i, (a, b) in enumerate(zip(ar, other, strict=False)):
         if a != b:
             gap = top_two_gap(verifier.model, prompt_ids + ar[:i])
@@ -59,14 +60,14 @@ def test_greedy_sps_with_an_int4_draft_equals_autoregressive(smollm: LoadedModel
 
     draft = load_model(fetch("smollm2-135m"), quant="int4")
     prompt = "Write a Python function that returns the sum of a list of numbers."
-    ar = SpeculativeDecoder(smollm, None).generate(prompt, 48, temperature=0)
-    sps = SpeculativeDecoder(smollm, draft, SpS(), 4).generate(prompt, 48, temperature=0)
+    ar = SpeculativeDecoder(smollm, spec=AR).generate(prompt, 48, temperature=0)
+    sps = SpeculativeDecoder(smollm, draft, spec_of(SpS(), 4)).generate(prompt, 48, temperature=0)
     assert sps.stats.acceptance_by_position[0] > 0.7
     assert_same_greedy_tokens(smollm, prompt, ar.token_ids, sps.token_ids)
 
 
 def test_sampled_cactus_answer_is_coherent(smollm: LoadedModel) -> None:
-    decoder = SpeculativeDecoder(smollm, smollm, Cactus(1.0), 4)
+    decoder = SpeculativeDecoder(smollm, smollm, spec_of(Cactus(1.0), 4))
     result = decoder.generate("What is the capital of France? Answer in one sentence.", 24, seed=0)
     assert "Paris" in result.text
     assert result.stats.acceptance_by_position[0] > 0.9  # draft = verifier: near-total accept
@@ -125,7 +126,7 @@ def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
 
 
 def test_stop_string_ends_generation_and_stream_matches_text(smollm: LoadedModel) -> None:
-    decoder = SpeculativeDecoder(smollm, None, SpS(), 4, drafter="ngram")
+    decoder = SpeculativeDecoder(smollm, None, spec_of(SpS(), 4, drafter="ngram"))
     prompt = "What is the capital of France? Answer in one sentence."
     free = decoder.generate(prompt, 24, temperature=0)
     assert "Paris" in free.text
@@ -146,7 +147,7 @@ def test_stop_string_ends_generation_and_stream_matches_text(smollm: LoadedModel
 def test_statistics_count_only_emitted_drafts_on_a_real_model(smollm: LoadedModel) -> None:
     """The reported case: Cactus with SmolLM2 drafting for itself, 40 tokens, seed 3. Drafts
     verified after the end were counted as accepted (drafted 20, accepted 20, new 14)."""
-    decoder = SpeculativeDecoder(smollm, smollm, Cactus(1.0))
+    decoder = SpeculativeDecoder(smollm, smollm, spec_of(Cactus(1.0)))
     for seed in range(3, 6):
         result = decoder.generate("Write quicksort in Python", 40, seed=seed)
         s = result.stats

@@ -3,9 +3,10 @@
 The public API, imported lazily (``import cactus_spec`` does not load torch until a name
 below is used)::
 
-    from cactus_spec import SpeculativeDecoder, Cactus
-    decoder = SpeculativeDecoder("qwen-coder-1.5b", "qwen-coder-0.5b", Cactus(delta=1.0))
-    decoder.generate("Write quicksort in Python").text
+    from cactus_spec import DecodeSpec, SpeculativeDecoder
+    spec = DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=10)
+    engine = SpeculativeDecoder("qwen-coder-1.5b", "qwen-coder-0.5b", spec)
+    engine.generate("Write quicksort in Python").text
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ _EXPORTS = {
     "LoadedModel": "cactus_spec.loading.models",
     "METHODS": "cactus_spec.core.methods",
     "build_rule": "cactus_spec.core.methods",
+    "DecodeSpec": "cactus_spec.core.spec",
+    "parse_spec": "cactus_spec.core.spec",
+    "Prompt": "cactus_spec.runtime.batch",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

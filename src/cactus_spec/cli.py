@@ -2,7 +2,8 @@
 
 Every argument that can be checked without a model is checked before any model loads, and
 bad input ends with one line, ``error: ...``, and exit status 2. The method flags come from
-the registry in ``methods``; the sampling defaults from ``SamplingConfig``.
+the registry in ``core.methods`` and are read by ``core.spec.parse_spec``; the sampling
+defaults come from ``SamplingConfig``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from rich.console import Console
 from rich.table import Table
 
 from cactus_spec.backends.quant import QUANTS
-from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, build_rule
+from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
+from cactus_spec.core.spec import DRAFTERS, DecodeSpec, parse_spec
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.runtime.policy import POLICIES
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -41,12 +44,15 @@ def _method_flags() -> dict[str, list]:
     return flags
 
 
-def _add_method_args(p: argparse.ArgumentParser) -> None:
+def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
+    """--method, its parameters, --num-draft-tokens and --drafter: the decoding spec."""
     p.add_argument(
         "--method",
         default=DEFAULT_METHOD,
         help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()),
     )
+    p.add_argument("--num-draft-tokens", type=int, help=k_help)
+    p.add_argument("--drafter", choices=DRAFTERS, help="where drafts come from (default model)")
     for name, takers in _method_flags().items():
         first = takers[0][1]
         words = "; ".join(f"{m}: {p.help} ({p.allowed}, default {p.default})" for m, p in takers)
@@ -65,9 +71,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt")
-    _add_method_args(p)
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
-    p.add_argument("--drafter", choices=["model", "ngram"], default=None)
+    _add_method_args(p, f"K, tokens drafted per iteration (default {DEFAULT_NUM_DRAFT_TOKENS})")
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -128,15 +132,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         'method with "speculative": {"method": ..., "num_draft_tokens": ...}, else the '
         "server's --method is used and the policy picks K.",
     )
-    _add_method_args(p)
-    p.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        help="K (with --policy auto: the largest K the policy may pick)",
+    _add_method_args(
+        p,
+        f"with --policy fixed: K for requests that give none; with --policy auto: the largest "
+        f"K the policy picks (default {DEFAULT_NUM_DRAFT_TOKENS})",
     )
-    p.add_argument("--policy", choices=["auto", "fixed"], default="auto", help="how K is chosen")
-    p.add_argument("--drafter", choices=["model", "ngram"], default=None)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="auto",
+        help="how K is chosen for requests that give none (default auto)",
+    )
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -186,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="AR vs SpS vs Cactus(delta=1) on the default pair")
     _add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
+    demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="K")
     _add_bench(sub)
     _add_serve(sub)
     lm_eval = sub.add_parser(
@@ -206,14 +212,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    """--target/--draft, else the default pair (known names: loaded only once fetched)."""
+    """--target/--draft, else the default pair (known names: loaded only once fetched). A
+    --draft where nothing is drafted by a model is refused."""
+    if args.draft and not needs_draft:
+        raise ValueError("--draft does not apply: nothing is drafted by a model (--method ar or "
+                         "--drafter ngram)")
     target = args.target or DEFAULT_PAIR[0]
     return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
 
-def _check_counts(
-    args: argparse.Namespace, flags: tuple[str, ...] = ("num_draft_tokens", "max_new_tokens")
-) -> None:
+def _flag(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
+
+
+def _spec(args: argparse.Namespace) -> DecodeSpec:
+    """The decoding spec of --method, its parameters, --num-draft-tokens and --drafter."""
+    given = {name: getattr(args, name) for name in _method_flags()}
+    given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
+    return parse_spec({"method": args.method, **given}, label=_flag)
+
+
+def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_tokens",)) -> None:
     """ValueError naming the first of ``flags`` below 1."""
     for flag in flags:
         if getattr(args, flag) < 1:
@@ -226,21 +245,26 @@ def _check_model_args(args: argparse.Namespace) -> None:
     check_load_options(args.dtype, args.device, args.threads)
 
 
-def _decoder(args: argparse.Namespace, rule, max_batch: int = 1, announce: bool = False):
-    """The decoder the model flags, --drafter and --num-draft-tokens describe, for ``rule``
-    (None: autoregressive, no draft model loaded)."""
+def _engine(
+    args: argparse.Namespace,
+    spec: DecodeSpec,
+    max_batch: int = 1,
+    max_draft_tokens: int | None = None,
+    announce: bool = False,
+):
+    """The engine the model flags describe, decoding by ``spec`` (a draft model is loaded
+    only where the spec drafts with one)."""
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
-    drafter = args.drafter or "model"
-    target, draft = _model_sources(args, needs_draft=rule is not None and drafter == "model")
+    needs_draft = spec.drafts and spec.drafter == "model"
+    target, draft = _model_sources(args, needs_draft)
     if announce:
         stderr.print(f"loading {target} (verifier){f', {draft} (draft)' if draft else ''} …")
     return SpeculativeDecoder(
         target,
         draft,
-        rule,
-        args.num_draft_tokens,
-        drafter if rule is not None else "model",
+        spec,
+        max_draft_tokens=max_draft_tokens,
         dtype=args.dtype,
         device=args.device,
         threads=args.threads,
@@ -254,17 +278,15 @@ def _decoder(args: argparse.Namespace, rule, max_batch: int = 1, announce: bool 
 def run_generate(args: argparse.Namespace) -> int:
     from cactus_spec.runtime.engine import check_prompt_text
 
-    given = {name: getattr(args, name) for name in _method_flags()}
-    rule = build_rule(args.method, given)
-    if args.method == "ar" and args.drafter is not None:
-        raise ValueError("--drafter does not apply to --method ar (no drafting)")
     # Cheap checks first, so a typo fails before any model loads.
+    spec = _spec(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     _check_counts(args)
     check_seed(args.seed, "--seed")
     check_prompt_text(args.prompt)
     _check_model_args(args)
-    decoder = _decoder(args, rule)
+    _model_sources(args, spec.drafts and spec.drafter == "model")
+    decoder = _engine(args, spec)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
 
@@ -334,11 +356,10 @@ def _stats_table(result, divergence=None) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from cactus_spec.core.rules import Cactus, SpS
     from cactus_spec.loading.models import load_model
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
-    _check_counts(args)
+    _check_counts(args, ("max_new_tokens", "num_draft_tokens"))
     _check_model_args(args)
     target_src, draft_src = _model_sources(args, needs_draft=True)
     pair = "the default pair" if (target_src, draft_src) == DEFAULT_PAIR else "the models"
@@ -346,10 +367,11 @@ def run_demo(args: argparse.Namespace) -> int:
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
     target = load_model(target_src, **options, quant=args.verifier_quant)
     draft = load_model(draft_src, **options, quant=args.draft_quant)
+    k = args.num_draft_tokens
     runs = [
-        ("AR (verifier alone)", None, SpS()),
-        ("SpS", draft, SpS()),
-        ("Cactus (delta=1)", draft, Cactus(1.0)),
+        ("AR (verifier alone)", None, DecodeSpec.of("ar")),
+        ("SpS", draft, DecodeSpec.of("sps", num_draft_tokens=k)),
+        ("Cactus (delta=1)", draft, DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=k)),
     ]
     table = Table(
         title=f"demo: {args.max_new_tokens} new tokens, K={args.num_draft_tokens}, "
@@ -358,12 +380,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for column in ("method", "tokens/s", "speedup vs AR", "mean accepted", "KL nats/token"):
         table.add_column(column, justify="left" if column == "method" else "right")
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
-    k, backend = args.num_draft_tokens, args.backend
-    SpeculativeDecoder(target, draft, SpS(), k, backend=backend).generate(DEMO_PROMPT, 2)
+    backend = args.backend
+    SpeculativeDecoder(target, draft, runs[1][2], backend=backend).generate(DEMO_PROMPT, 2)
     baseline = None
-    for name, draft_model, rule in runs:
+    for name, draft_model, spec in runs:
         stderr.print(f"running {name} …")
-        decoder = SpeculativeDecoder(target, draft_model, rule, k, backend=backend)
+        decoder = SpeculativeDecoder(target, draft_model, spec, backend=backend)
         result = decoder.generate(DEMO_PROMPT, args.max_new_tokens, seed=0)
         s = result.stats
         baseline = baseline or s.tokens_per_s
@@ -386,14 +408,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.app import ServerConfig, create_app
     from cactus_spec.server.run import start_scheduler
 
-    rule = build_rule(args.method, {name: getattr(args, name) for name in _method_flags()})
-    if args.method == "ar" and args.drafter is not None:
-        raise ValueError("--drafter does not apply to --method ar (no drafting)")
-    _check_counts(args, ("num_draft_tokens", "max_batch", "max_queue", "default_max_tokens"))
+    spec = _spec(args)
+    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens"))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)
-    decoder = _decoder(args, rule, args.max_batch, announce=True)
+    _model_sources(args, spec.drafts and spec.drafter == "model")
+    cap = spec.num_draft_tokens if spec.drafts else None
+    if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
+        spec = spec.with_num_draft_tokens(None)
+    decoder = _engine(args, spec, args.max_batch, cap, announce=True)
     scheduler = start_scheduler(decoder, args.policy, args.max_queue)
     model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
     config = ServerConfig(model_id, args.api_key, args.default_max_tokens)

@@ -27,8 +27,8 @@ class Backend(Protocol):
         """How many rows (sequences) the cache holds, each with its own length."""
 
     @property
-    def length(self) -> int:
-        """Number of tokens currently in row 0 of the cache."""
+    def device(self) -> torch.device:
+        """Where the model's weights and cache live."""
 
     def length_of(self, row: int) -> int:
         """Number of tokens currently in ``row`` of the cache."""
@@ -53,3 +53,12 @@ class Backend(Protocol):
 
     def reset(self, row: int | None = None) -> None:
         """Empty ``row``, or every row."""
+
+    def synchronize(self) -> None:
+        """Wait until queued work is done (CUDA runs asynchronously), so a timing is whole."""
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: CUDA runs asynchronously, a CPU does not."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from cactus_spec.backends.base import synchronize
+
 
 class TransformersBackend:
     """Backend over a transformers causal LM with a DynamicCache, batch size 1.
@@ -36,8 +38,8 @@ class TransformersBackend:
         return 1
 
     @property
-    def length(self) -> int:
-        return self._length
+    def device(self) -> torch.device:
+        return self.model.device
 
     def length_of(self, row: int) -> int:
         _check_row(row)
@@ -95,6 +97,9 @@ class TransformersBackend:
             _check_row(row)
         self._cache = DynamicCache(config=self.model.config)
         self._length = 0
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
 
 
 def _check_row(row: int) -> None:

@@ -20,17 +20,20 @@ lengths gives each row exactly the logits it would get alone.
 Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
 the CPU first has its linear layers repacked, in place, for the native AMX kernel or for
 oneDNN (``packed``). Int8 layers that read the same input (q, k, v; gate, up) share its row
-scaling (``quant.project``); a block whose layers are all native int8 or all native
-bfloat16 runs as one native call (``native_block``).
+scaling (``quant.project``); a block whose layers are all native int8, all native
+int4 or all native bfloat16 runs as one native call (``native_block``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from cactus_spec.backends.base import synchronize
 from cactus_spec.backends.native_block import NativeBlock
 from cactus_spec.backends.packed import pack_linears, packing_available
 from cactus_spec.backends.quant import project
@@ -110,14 +113,17 @@ class Attention(nn.Module):
         self.v, self.o = hf_attention.v_proj, hf_attention.o_proj
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, feed: Feed, layer: int
+    ) -> Tensor:
         batch, count, _ = x.shape  # x: [B, T, E]
         q, k, v = project(x, [self.q, self.k, self.v])  # [B, T, H D], [B, T, H_kv D] x2
         q = q.view(batch, count, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, *rope), rotate(k, *rope)  # [B, H, T, D], [B, H_kv, T, D]
-        keys, values, mask = cache.write(layer, k, v)  # [B, H_kv, S, D] x2, [B, 1, T, S]
+        keys, values = cache.write(layer, k, v, feed)  # [B, H_kv, S, D] x2
+        mask = feed.mask  # [B, 1, T, S]
         out = attend(q, keys, values, mask)  # [B, H, T, D]
         return self.o(out.transpose(1, 2).reshape(batch, count, self.heads * self.head_dim))
 
@@ -133,8 +139,10 @@ class Block(nn.Module):
         mlp = hf_layer.mlp
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, layer: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache, layer)
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, feed: Feed, layer: int
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, feed, layer)
         m = self.mlp_norm(h)
         gate, up = project(m, [self.gate, self.up])
         return h + self.down(F.silu(gate) * up)
@@ -142,6 +150,20 @@ class Block(nn.Module):
 
 #: Tokens per row a cache holds at first; it doubles (up to its size) when a forward needs more.
 _FIRST_CAPACITY = 256
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One forward's rows of the cache (``KVCache.begin``): where their new tokens go and
+    which keys each new token sees."""
+
+    rows: list[int]
+    starts: list[int]  # each row's first new position
+    span: slice | None  # the rows, when contiguous (their cache is a view, no copy)
+    index: Tensor | None  # [b] the rows otherwise
+    end: int  # one past the furthest position written
+    mask: Tensor  # [b, 1, T, S'] which keys each query sees
+    positions: Tensor  # [b, T]
 
 
 class KVCache:
@@ -156,54 +178,36 @@ class KVCache:
         self.values = torch.zeros(first, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.size = size
-        self._rows: list[int] = []  # the rows a forward feeds
-        self._span: slice | None = None  # those rows when they are contiguous
-        self._index: Tensor | None = None  # [b] those rows otherwise
-        self._starts: list[int] = []  # where each row's new tokens go
-        self._mask: Tensor | None = None  # [B, 1, T, S'] which keys each query sees
-        self._end = 0
 
-    def begin(self, count: int, rows: list[int] | None = None) -> Tensor:
-        """Prepare a forward of ``count`` new tokens for each of ``rows`` (default: every row);
-        return their positions [b, T]."""
+    def begin(self, count: int, rows: list[int]) -> Feed:
+        """The feed of ``count`` new tokens to each of ``rows``, after their cached ones
+        (the cache grows here if it must); lengths move only with ``advance``."""
         device = self.lengths.device
-        self._rows = list(range(self.lengths.shape[0])) if rows is None else list(rows)
-        first = self._rows[0]
-        contiguous = self._rows == list(range(first, first + len(self._rows)))
-        self._span = slice(first, first + len(self._rows)) if contiguous else None
-        self._index = None if contiguous else torch.tensor(self._rows, device=device)  # [b]
-        lengths = self.lengths[self._span] if contiguous else self.lengths[self._index]  # [b]
+        first = rows[0]
+        contiguous = rows == list(range(first, first + len(rows)))
+        span = slice(first, first + len(rows)) if contiguous else None
+        index = None if contiguous else torch.tensor(rows, device=device)  # [b]
+        lengths = self.lengths[span] if contiguous else self.lengths[index]  # [b]
         positions = lengths[:, None] + torch.arange(count, device=device)  # [b, T]
-        self._end = int(positions.max()) + 1
-        if self._end > self.size:
-            raise ValueError(f"context overflow: {self._end} tokens exceed the cache ({self.size})")
-        if self._end > self.keys.shape[3]:
-            self._grow(min(self.size, max(self._end, 2 * self.keys.shape[3])))
-        keys_at = torch.arange(self._end, device=device)  # [S']
-        self._mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
-        self._starts = lengths.tolist()
-        return positions
-
-    @property
-    def rows(self) -> list[int]:
-        """The rows the last ``begin`` feeds."""
-        return self._rows
-
-    @property
-    def starts(self) -> list[int]:
-        """Where each of those rows' new tokens go."""
-        return self._starts
+        end = int(positions.max()) + 1
+        if end > self.size:
+            raise ValueError(f"context overflow: {end} tokens exceed the cache ({self.size})")
+        if end > self.keys.shape[3]:
+            self._grow(min(self.size, max(end, 2 * self.keys.shape[3])))
+        keys_at = torch.arange(end, device=device)  # [S']
+        mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
+        return Feed(list(rows), lengths.tolist(), span, index, end, mask, positions)
 
     def layer(self, layer: int) -> tuple[Tensor, Tensor]:
         """The keys and values of every row at ``layer``: [B, H_kv, S, D] each (views)."""
         return self.keys[layer], self.values[layer]
 
-    def advance(self, counts: Tensor | int) -> None:
-        """Grow the lengths of the rows of the last ``begin`` by ``counts`` (int or [b])."""
-        if self._span is not None:
-            self.lengths[self._span] += counts
+    def advance(self, feed: Feed, counts: Tensor | int) -> None:
+        """Grow the lengths of the feed's rows by ``counts`` (int or [b])."""
+        if feed.span is not None:
+            self.lengths[feed.span] += counts
         else:
-            self.lengths[self._index] += counts
+            self.lengths[feed.index] += counts
 
     def _grow(self, capacity: int) -> None:
         """Reallocate keys and values for ``capacity`` tokens per row, keeping their content."""
@@ -213,21 +217,19 @@ class KVCache:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Store k, v [b, H_kv, T, D] at the new positions of the rows of the last ``begin``;
-        return their keys and values up to the furthest position written [b, H_kv, S', D]
-        and the attention mask."""
+    def write(self, layer: int, k: Tensor, v: Tensor, feed: Feed) -> tuple[Tensor, Tensor]:
+        """Store k, v [b, H_kv, T, D] at the feed's new positions; return its rows' keys and
+        values up to the furthest position written [b, H_kv, S', D] each."""
         count = k.shape[2]
-        for i, (row, start) in enumerate(zip(self._rows, self._starts, strict=True)):
+        for i, (row, start) in enumerate(zip(feed.rows, feed.starts, strict=True)):
             self.keys[layer, row, :, start : start + count] = k[i]  # slices: no copy
             self.values[layer, row, :, start : start + count] = v[i]
-        end = self._end
-        if self._span is not None:  # a view: no copy
-            rows = self._span
-            return self.keys[layer, rows, :, :end], self.values[layer, rows, :, :end], self._mask
-        keys = self.keys[layer, :, :, :end].index_select(0, self._index)
-        values = self.values[layer, :, :, :end].index_select(0, self._index)
-        return keys, values, self._mask
+        end = feed.end
+        if feed.span is not None:  # a view: no copy
+            return self.keys[layer, feed.span, :, :end], self.values[layer, feed.span, :, :end]
+        keys = self.keys[layer, :, :, :end].index_select(0, feed.index)
+        values = self.values[layer, :, :, :end].index_select(0, feed.index)
+        return keys, values
 
 
 class LeanModel(nn.Module):
@@ -278,21 +280,21 @@ class LeanModel(nn.Module):
         """Feed tokens [B, T] to every row of the cache, after each row's cached ones; return
         float32 logits of the last ``keep`` positions [B, keep, V] (all T when keep = 0).
         Every row's length grows by T (``LeanBackend.append_ragged`` feeds chosen rows)."""
-        x = self.hidden(tokens, cache)
+        feed = cache.begin(tokens.shape[1], list(range(tokens.shape[0])))
+        x = self.hidden(tokens, cache, feed)
         if keep:
             x = x[:, -keep:]
-        cache.advance(tokens.shape[1])
+        cache.advance(feed, tokens.shape[1])
         return self.logits(x)
 
     @torch.inference_mode()
-    def hidden(self, tokens: Tensor, cache: KVCache, rows: list[int] | None = None) -> Tensor:
-        """Hidden states [b, T, E] after the last block; writes the rows' caches but leaves
-        their lengths to the caller (``cache.advance``)."""
-        positions = cache.begin(tokens.shape[1], rows)  # [b, T]
-        rope = self.rope(positions)
+    def hidden(self, tokens: Tensor, cache: KVCache, feed: Feed) -> Tensor:
+        """Hidden states [b, T, E] after the last block; writes the feed's rows of the cache
+        but leaves their lengths to the caller (``cache.advance``)."""
+        rope = self.rope(feed.positions)
         x = self.embed(tokens)  # [b, T, E]
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, cache, layer)
+            x = block(x, rope, cache, feed, layer)
         return x
 
     @torch.inference_mode()
@@ -313,7 +315,7 @@ _SHARED_FORWARD_TOKENS = 16
 class LeanBackend:
     """The Backend protocol over ``LeanModel``: ``slots`` rows, each with its own length.
 
-    ``append``/``rollback``/``length`` act on row 0 by default (a batch of one);
+    ``append``/``rollback`` act on row 0 by default (a batch of one);
     ``append_ragged`` feeds any rows at once, each its own number of tokens.
     """
 
@@ -336,21 +338,12 @@ class LeanBackend:
         return self.cache.lengths.shape[0]
 
     @property
-    def length(self) -> int:
-        return self.length_of(0)
+    def device(self) -> torch.device:
+        return self.cache.lengths.device
 
     def length_of(self, row: int) -> int:
         """Tokens cached in ``row``."""
         return int(self.cache.lengths[row])
-
-    def append_rows(self, tokens: Tensor, keep: int = 0) -> Tensor:
-        """Feed tokens [B, T] to every row after its own cached ones; float32 logits
-        [B, keep or T, V]."""
-        if tokens.dim() != 2 or tokens.shape[0] != self.slots:
-            raise ValueError(f"tokens must have shape [{self.slots}, T]")
-        if tokens.shape[1] == 0:
-            raise ValueError("append needs at least one token")
-        return self.model(tokens.to(self.cache.lengths.device), self.cache, keep=keep)
 
     def append(self, token_ids, keep: int = 0, row: int = 0) -> Tensor:
         """Feed tokens to one row; float32 logits [keep or T, V]."""
@@ -388,8 +381,9 @@ class LeanBackend:
         for i, ids in enumerate(lists):
             padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         counts = torch.tensor([len(ids) for ids in lists], device=device)  # [b]
-        x = self.model.hidden(padded.to(device), self.cache, rows)  # [b, T, E]
-        self.cache.advance(counts)
+        feed = self.cache.begin(width, rows)
+        x = self.model.hidden(padded.to(device), self.cache, feed)  # [b, T, E]
+        self.cache.advance(feed, counts)
         lengths = counts.tolist()
         sizes = [1 if last_only else keep or n for n in lengths]
         at = [  # flat positions of each row's last ``size`` real tokens
@@ -413,3 +407,6 @@ class LeanBackend:
             self.cache.lengths.zero_()
         else:
             self.cache.lengths[row] = 0
+
+    def synchronize(self) -> None:
+        synchronize(self.device)

@@ -4,8 +4,7 @@ ones).
 
 A lean ``Block`` of native layers spends more of a one-token step in its ~150 small tensor
 operations (views included: norms, rotary embeddings, attention over the cache, SwiGLU,
-each a dispatch through torch) than in its products: on this project's Xeon the int8 0.5B
-draft's step was 28 ms, of which ~17 ms are products; as a ``NativeBlock`` it is 21.7 ms.
+each a dispatch through torch) than in its products (profiled in ``docs/DESIGN.md``).
 ``NativeBlock`` computes the same block, the same products included, in C++ and in float32
 whatever the model's dtype (see ``native/block.cpp``): the same law up to float rounding
 (sums in another order, which may move an activation code by one step; a bfloat16
@@ -52,11 +51,12 @@ class NativeBlock(nn.Module):
         kinds = {getattr(layer, "block_kind", None) for layer in _layers(hf_layer)}
         return kinds.pop() if len(kinds) == 1 else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, layer: int) -> Tensor:
-        """x [b, T, E] -> [b, T, E]; writes the rows' new keys and values into ``cache``."""
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, feed, layer: int) -> Tensor:
+        """x [b, T, E] -> [b, T, E]; writes the feed's new keys and values into ``cache``
+        (a ``lean.KVCache``, at ``feed.starts`` of ``feed.rows``)."""
         cos, sin = rope  # [b, 1, T, D] each
         keys, values = cache.layer(layer)  # [B, H_kv, S, D] each
         return self._call(
-            x, cos, sin, keys, values, cache.rows, cache.starts, self.params,
+            x, cos, sin, keys, values, feed.rows, feed.starts, self.params,
             self.eps, self.heads, self.kv_heads,
         )  # fmt: skip

@@ -4,11 +4,9 @@ CPU has AMX or AVX512-BF16 (``NativeBf16Linear``), else for oneDNN (``PackedLine
 Native. ``native.bf16_linear`` multiplies bfloat16 rows by a weight packed as AMX tiles,
 whose 64-byte rows are also AVX512-BF16's vdpbf16ps operands, the sums in float32, each
 output element's sum in the same order whatever the other rows (a row gives the same bits
-alone as in any block). On this project's Xeon (AMX) it streams a one-row product's weight
-at ~33 GB/s against oneDNN's ~24 (8960×1536: 0.84 against 1.13 ms; the 151936-output head
-15.7 against 25.9 ms), and 11 rows as fast as one; on its AMD EPYC (AVX512-BF16) one row at
-~29 GB/s against oneDNN's ~19 (0.93 against 1.41 ms; the head 16.4 against 24.6 ms), 11
-rows as fast as oneDNN. Its sums run in another order than oneDNN's, so its outputs differ
+alone as in any block). It is used because it streams the weight faster than oneDNN at one
+row and no slower at a verification block's 11 (measured in ``docs/DESIGN.md``). Its sums
+run in another order than oneDNN's, so its outputs differ
 from them in the last bits, each as close to float32. A block whose linear layers are all
 ``NativeBf16Linear`` runs as one native call (``native_block``).
 
@@ -18,9 +16,7 @@ oneDNN.
 oneDNN's own blocked layout skips that. The products are the same bit for bit for blocks of
 up to 32 rows (decode steps and verification blocks; tested); larger blocks (prompts, wide
 batches) may round differently where oneDNN picks another kernel for them, as on AMX CPUs,
-each as close to float32 as the other (SmolLM2 on a 252-token text: mean KL to float32
-0.0006 repacked, 0.0007 stock); a one-token 8960×1536 product took 1.3–1.5 ms instead of
-2.2–2.4 ms on this project's CPU (an 11-token block 2.4–2.5 ms instead of 3.3). The lean
+each as close to float32 as the other (tested against a float32 copy). The lean
 backend packs a bfloat16 CPU model when it is built: the model's ``nn.Linear`` modules are
 replaced in place (so the weights are not held twice), and anything else running the same
 model object runs them too.

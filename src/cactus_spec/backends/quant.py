@@ -11,10 +11,8 @@ times further from bfloat16 than one token). Two kernels compute it:
 - the native kernel (``backends.native``, compiled for this CPU at set-up), which quantises
   the rows inside the call and reads the weight once per call whatever the rows, in a layout
   made for AVX512-VNNI and AMX tiles (blocks of rows). Each row gives the same bits alone as
-  in any block. On this project's Xeon the 0.5B draft's one-token step takes 28 ms with it
-  in Python blocks, 21–22 ms with whole blocks in C++ (``native_block``), against 39 ms with
-  fbgemm and 62 ms in bfloat16; an 11-token block of the 1.5B verifier 88 ms with AMX tiles,
-  114 without (153 with fbgemm, 138 in bfloat16 on AMX);
+  in any block. Whole blocks of such layers run as one C++ call (``native_block``);
+  ``docs/DESIGN.md`` has its measured costs;
 - fbgemm's int8 GEMM (where no C++ toolchain is at hand, or ``CACTUS_SPEC_NATIVE=0``), which
   quantises its whole input block with one asymmetric scale. So each row x_r is first centred
   and scaled by its own range, x'_r = (x_r - c_r) / h_r with c_r, h_r the midpoint and
@@ -45,9 +43,7 @@ kernels compute it:
   not for verification blocks or wide batches;
 - torch's CPU kernel (where the native one is not built), groups of ``INT4_GROUP``, bfloat16
   activations, the rest of the model in bfloat16; a layer whose shape it refuses (outputs not
-  a multiple of 16, inputs not of the group) stays dense. On this project's Xeon it made the
-  0.5B draft's step 30 ms against 38 ms for fbgemm's int8 (62 ms in bfloat16), level with
-  int8 end to end.
+  a multiple of 16, inputs not of the group) stays dense.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Evaluation harness: speed against the verifier alone and Hugging Face, task accuracy,
+"""Evaluation harness: speed against the verifier alone and the peers, task accuracy,
 divergence, and plots (``cactus-spec bench``).
 
-Modules, one idea each: ``tasks`` (items and answer checking), ``grid`` (configurations),
-``store`` (the run directory), ``peers`` (Hugging Face baselines), ``memory`` (peak memory),
+Modules, one idea each: ``tasks`` (items), ``grading`` (scores per task), ``humaneval``
+(completion extraction), ``execution`` and ``sandbox`` (tests run in an isolated
+interpreter), ``grid`` (configurations), ``store`` (the run directory), ``peers`` (Hugging
+Face baselines), ``llamacpp`` (llama.cpp baselines), ``memory`` (peak memory),
 ``provenance`` (versions and model identities), ``runner`` (the alternating loop),
-``stats`` (intervals), ``bound`` (the i.i.d. speedup bound), ``summary`` (per-configuration
-figures), ``report`` (markdown), ``plots`` (PNG figures) and ``command`` (the CLI glue).
+``rescore`` (grade recorded texts again), ``stats`` (intervals), ``bound`` (the i.i.d.
+speedup bound), ``summary`` (per-configuration figures), ``report`` (markdown), ``plots``
+(PNG figures) and ``command`` (the command line's glue).
 """

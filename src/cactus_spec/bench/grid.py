@@ -32,29 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
-from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, build_rule
-from cactus_spec.core.methods import METHODS as ENGINE_METHODS
-from cactus_spec.core.rules import Rule
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
+from cactus_spec.core.spec import DecodeSpec, parse_spec
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
-#: Every method a grid may name, with its parameters' defaults.
-METHODS: dict[str, dict[str, object]] = {
-    **{name: method.defaults for name, method in ENGINE_METHODS.items()},
-    **{name: {} for name in HF_METHODS},
+#: The peers a grid may name beside the engine's methods (``core.methods.METHODS``), with
+#: their parameters' defaults.
+PEERS: dict[str, dict[str, int]] = {
+    "hf": {},
+    "hf_assisted": {},
     "llamacpp": {},
     "llamacpp_lookup": {"num_pred_tokens": 10},  # llama-cpp-python's default
 }
+#: Every method a grid may name: the engine's, then the peers.
+NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
-NO_DRAFT = (*(name for name, m in ENGINE_METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-DRAFTERS = ("model", "ngram")
-#: Keys an entry may set besides its method's parameters; the values give their types.
-DRAFT_DEFAULTS: dict[str, object] = {
-    "num_draft_tokens": DEFAULT_NUM_DRAFT_TOKENS,
-    "drafter": "model",
-}
-_DRAFT_KEYS = tuple(DRAFT_DEFAULTS)
-_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
+_DRAFT_KEYS = ("num_draft_tokens", "drafter")
 
 Entry = tuple[str, dict[str, list]]
 
@@ -76,7 +71,17 @@ class Config:
     @property
     def engine(self) -> bool:
         """Whether our engine runs it (else a peer: Hugging Face or llama.cpp)."""
-        return self.method not in HF_METHODS + LLAMACPP_METHODS
+        return self.method in METHODS
+
+    @property
+    def spec(self) -> DecodeSpec:
+        """The decoding spec of an engine method (ValueError for a peer)."""
+        if not self.engine:
+            raise ValueError(f"{self.method} is a peer, not a method of the engine")
+        values = {"method": self.method, **dict(self.params)}
+        if self.drafts:
+            values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
+        return parse_spec(values)
 
     @property
     def id(self) -> str:
@@ -101,10 +106,6 @@ class Config:
             words += ["ngram"] if self.drafter == "ngram" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
-
-    def rule(self) -> Rule | None:
-        """The acceptance rule of an engine method (None for ar and the HF peers)."""
-        return build_rule(self.method, dict(self.params)) if self.engine else None
 
     def as_dict(self) -> dict:
         return {
@@ -133,53 +134,19 @@ def _format(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _parse_bool(value: object) -> bool:
-    text = value.strip().lower() if isinstance(value, str) else None
-    if isinstance(value, bool) or text in _TRUE + _FALSE:
-        return value if isinstance(value, bool) else text in _TRUE
-    raise ValueError(value)
-
-
-def _parse_float(value: object) -> float:
-    if isinstance(value, bool):
-        raise ValueError(value)
-    return float(value)  # type: ignore[arg-type]
-
-
-def _parse_int(value: object) -> int:
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(value)
-    return int(value)  # type: ignore[arg-type]
-
-
-def _parse_str(value: object) -> str:
-    if not isinstance(value, str):
-        raise ValueError(value)
-    return value.strip()
-
-
-_PARSERS = {bool: _parse_bool, float: _parse_float, int: _parse_int, str: _parse_str}
-_KINDS = {bool: "a boolean", float: "a number", int: "an integer", str: "a string"}
-
-
-def _coerce(method: str, name: str, value: object) -> object:
-    """A value in the type of its default; strings (from the command line) are parsed."""
-    keys = {**DRAFT_DEFAULTS, "verifier": "none"}
-    default = keys[name] if name in keys else METHODS[method][name]
-    try:
-        return _PARSERS[type(default)](value)
-    except (TypeError, ValueError):
-        kind = _KINDS[type(default)]
-        raise ValueError(f"{method}: {name} must be {kind}, got {value!r}") from None
-
-
 def make_config(
-    method: str, params: Mapping[str, object], k: int, drafter: str, verifier: str = "none"
+    method: str,
+    params: Mapping[str, object],
+    k: object = None,
+    drafter: object = None,
+    verifier: str = "none",
 ) -> Config:
-    """A validated configuration: unknown methods, parameters or values raise ValueError."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    allowed = METHODS[method]
+    """A validated configuration; values may be text (the command line). An engine method's
+    parameters, K and drafter are read by ``core.spec.parse_spec``, a peer's K and drafter
+    by the same rules; unknown methods, parameters or values raise ValueError."""
+    if method not in NAMES:
+        raise ValueError(f"method must be one of {', '.join(NAMES)}, got {method!r}")
+    allowed = METHODS[method].defaults if method in METHODS else PEERS[method]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         keys = [*allowed, *(_DRAFT_KEYS if method not in NO_DRAFT else ())]
@@ -189,20 +156,31 @@ def make_config(
         )
     if verifier not in QUANTS:
         raise ValueError(f"{method}: verifier must be one of {', '.join(QUANTS)}, got {verifier!r}")
-    values = {name: _coerce(method, name, params.get(name, d)) for name, d in allowed.items()}
     verifier = "none" if method in LLAMACPP_METHODS else verifier  # it runs the GGUF
-    config = Config(method, tuple(sorted(values.items())), verifier=verifier)
+    draft = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
     try:
-        config.rule()  # raises on a bad value, e.g. a negative delta
+        if method in METHODS:
+            spec = parse_spec({"method": method, **params, **draft}, text=True)
+            values = dict(spec.params)
+        else:
+            spec = parse_spec({"method": "sps", **draft}, text=True)  # a peer's K and drafter
+            values = {name: _peer_int(name, params.get(name, d)) for name, d in allowed.items()}
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
     if method in NO_DRAFT:
-        return config
-    if k < 1:
-        raise ValueError(f"{method}: num_draft_tokens must be >= 1, got {k}")
-    if drafter not in DRAFTERS:
-        raise ValueError(f"{method}: drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-    return Config(method, config.params, k, drafter, verifier)
+        return Config(method, tuple(sorted(values.items())), verifier=verifier)
+    return Config(
+        method, tuple(sorted(values.items())), spec.num_draft_tokens, spec.drafter, verifier
+    )
+
+
+def _peer_int(name: str, value: object) -> int:
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def expand(
@@ -220,9 +198,9 @@ def expand(
             raise ValueError(f"{method} drafts nothing: num_draft_tokens and drafter do not apply")
         if method in LLAMACPP_METHODS and "verifier" in lists:
             raise ValueError(f"{method} runs the verifier's GGUF itself: verifier does not apply")
-        k_values = [_coerce(method, "num_draft_tokens", k) for k in lists.get(_DRAFT_KEYS[0], ks)]
-        drafter_values = [_coerce(method, "drafter", d) for d in lists.get("drafter", drafters)]
-        verifier_values = [_coerce(method, "verifier", v) for v in lists.get("verifier", verifiers)]
+        k_values = lists.get("num_draft_tokens", ks)
+        drafter_values = lists.get("drafter", drafters)
+        verifier_values = [_text(v) for v in lists.get("verifier", verifiers)]
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
         for combo in itertools.product(*axes):
@@ -233,6 +211,10 @@ def expand(
     if not configs:
         raise ValueError("the grid holds no configuration")
     return tuple(configs.values())
+
+
+def _text(value: object) -> str:
+    return value.strip() if isinstance(value, str) else str(value)
 
 
 def parse_entry(spec: str) -> Entry:

@@ -8,7 +8,7 @@ already there. Models are loaded once by the caller; each configuration gets its
 decoder over them.
 
 With ``max_batch`` B > 1 (for throughput: quality runs over hundreds of items) the engine's
-configurations decode B items at once (``batch.decode_all``): items go in chunks of
+configurations decode B items at once (the engine's ``decode_many``): items go in chunks of
 ``CHUNK_BATCHES`` x B, each chunk through every configuration in turn (reversed on odd
 chunks), so an interrupted run still holds every configuration on nearly the same items.
 Each row then records the speed of its own stream; each chunk's wall time and tokens go to
@@ -46,10 +46,11 @@ from cactus_spec.bench.store import RunDirectory
 from cactus_spec.bench.summary import summarise
 from cactus_spec.bench.tasks import Item, TaskSpec
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.files import write_json_atomic
 from cactus_spec.loading.divergence import quant_divergence
 from cactus_spec.loading.models import LoadedModel
-from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import GenerationResult
 
@@ -166,25 +167,25 @@ class Runner:
             raise ValueError(f"the grid asks for a verifier in {', '.join(missing)} weights")
         self.target = next(iter(self.targets.values()))  # tokenizer, device, the GGUF
         self.draft = draft
-        self.encoder = SpeculativeDecoder(self.target, None)
         self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
+        self.encoder = next(iter(self.decoders.values()), None) or SpeculativeDecoder(
+            self.target, spec=DecodeSpec.of("ar")
+        )  # prompts are encoded once, by one engine over the verifier's tokenizer
         self.llamacpp = self._llamacpp()
         self._prompt_ids: dict[str, list[int]] = {}
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
         target = self.targets[config.verifier]
         options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
-        if not config.drafts:
-            return SpeculativeDecoder(target, None, **options)
-        draft = self.draft if config.drafter == "model" else None
-        k, drafter = config.num_draft_tokens, config.drafter
-        return SpeculativeDecoder(target, draft, config.rule(), k, drafter, **options)
+        spec = config.spec
+        draft = self.draft if spec.drafts and spec.drafter == "model" else None
+        return SpeculativeDecoder(target, draft, spec, **options)
 
     def _llamacpp(self) -> LlamaCppPeers | None:
         """llama.cpp contexts over the verifier's GGUF, if the grid has llama.cpp methods."""
         if not any(c.method in LLAMACPP_METHODS for c in self.settings.grid):
             return None
-        context = self.encoder.target_backend.context_length
+        context = self.encoder.context_length
         return LlamaCppPeers(gguf_of(self.target), context, torch.get_num_threads())
 
     def prompt_ids(self, item: Item) -> list[int]:
@@ -264,9 +265,8 @@ class Runner:
             record(self._row(index, item, config, measured, peak), config.label)
 
         start = time.perf_counter()
-        k = config.num_draft_tokens if config.drafts else None
-        decoder = self.decoders[config.id]
-        results = decode_all(decoder, prompts, s.sampling, num_draft_tokens=k, on_result=finished)
+        engine = self.decoders[config.id]
+        results = engine.decode_many(prompts, s.sampling, on_result=finished)
         return {
             "config": config.id,
             "items": [item.id for _, item in todo],

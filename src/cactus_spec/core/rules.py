@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cactus_spec.core.sampling import one_hot
+
 #: Bisection steps for the exact Cactus bound: float64 halves [q_n, 1] to below 1e-12,
 #: well under a float32 ulp of the result.
 _BISECTION_STEPS = 40
@@ -39,9 +41,7 @@ def gather_last(x: Tensor, ids: Tensor) -> Tensor:
 
 def draft_row(p: Tensor | None, draft_ids: Tensor, vocab_size: int) -> Tensor:
     """The full draft distribution [..., V]; one-hot at ``draft_ids`` when ``p`` is None."""
-    if p is not None:
-        return p
-    return torch.nn.functional.one_hot(draft_ids, vocab_size).to(torch.float32)
+    return p if p is not None else one_hot(draft_ids, vocab_size)
 
 
 def draft_prob_at(p: Tensor | None, draft_ids: Tensor) -> Tensor:
@@ -267,4 +267,4 @@ class TAS(Rule):
         return (gather_last(q, draft_ids) > self.threshold(q)).to(torch.float32)
 
     def residual(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
-        return torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).to(torch.float32)
+        return one_hot(q.argmax(-1), q.shape[-1])

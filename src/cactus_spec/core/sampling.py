@@ -51,7 +51,7 @@ def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     """
     logits = logits.float()
     if config.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return one_hot(logits.argmax(-1), logits.shape[-1])
     if 0 < config.top_k < logits.shape[-1]:
         values, ids = logits.topk(config.top_k, dim=-1)  # [..., k], descending
         kept = _sorted_nucleus(torch.softmax(values / config.temperature, -1), config.top_p)
@@ -62,6 +62,11 @@ def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [..., V]
     kept = _sorted_nucleus(sorted_probs, config.top_p)
     return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def one_hot(ids: Tensor, vocab_size: int) -> Tensor:
+    """float32 one-hot rows: ids [...] -> [..., V]."""
+    return torch.nn.functional.one_hot(ids, vocab_size).to(torch.float32)
 
 
 def _sorted_nucleus(sorted_probs: Tensor, top_p: float) -> Tensor:
@@ -125,3 +130,12 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     ids = torch.searchsorted(cdf, u.unsqueeze(-1) * total, right=True)  # [B, 1]
     last_positive = torch.searchsorted(cdf, total, right=False)  # [B, 1]
     return torch.minimum(ids, last_positive).squeeze(-1)
+
+
+def draw(probs: Tensor, greedy: bool, generator: torch.Generator) -> int:
+    """One token from probs [1, V]: the argmax when greedy, else one inverse-CDF draw of one
+    uniform from ``generator``."""
+    if greedy:
+        return int(probs.argmax(-1))
+    u = uniforms(1, 1, generator, probs.device)[:, 0]  # [1]
+    return int(sample_inverse_cdf(probs, u))

@@ -11,18 +11,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from cactus_spec.core.methods import METHODS, ParamValue
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import SPEC_KEYS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import LoadedModel
-from cactus_spec.runtime.engine import ModelSource
+from cactus_spec.loading.models import LoadedModel, ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +28,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256
 #: The gen_kwargs keys the engine honours; any other key is ignored with a warning.
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
-#: Every method parameter in the registry (delta, exact, epsilon, alpha, k, ...).
-METHOD_PARAMS = {p.name: p for method in METHODS.values() for p in method.params}
 _GREEDY = SamplingConfig(0.0, 0, 1.0)
 
 
@@ -61,67 +57,27 @@ def as_int(value: object) -> int | None:
         return None
 
 
-def _number(name: str, value: object, allowed: str) -> float:
-    try:
-        number = float(str(value)) if not isinstance(value, bool) else math.nan
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise _bad(name, allowed, value)
-    return number
-
-
-def _flag(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text not in ("true", "false", "1", "0"):
-        raise _bad(name, "true or false", value)
-    return text in ("true", "1")
-
-
 def choice(name: str, value: object, choices: Sequence[str]) -> str:
     if value not in choices:
         raise _bad(name, f"one of {', '.join(choices)}", value)
     return str(value)
 
 
-def method_params(given: dict[str, Any]) -> dict[str, ParamValue | None]:
-    """Method parameters (delta, exact, ...) converted to their registry types; an unknown
-    model arg is a ValueError listing the ones that exist."""
-    params: dict[str, ParamValue | None] = {}
-    for name, value in given.items():
-        if name not in METHOD_PARAMS:
-            known = sorted({*_MODEL_ARGS, *METHOD_PARAMS})
+def spec_args(given: dict[str, Any]) -> dict[str, Any]:
+    """The decoding spec's model args (method, its parameters, num_draft_tokens, drafter),
+    for ``core.spec.parse_spec``; an unknown model arg is a ValueError listing those that
+    exist."""
+    for name in given:
+        if name not in SPEC_KEYS:
+            known = sorted({*_MODEL_ARGS, *SPEC_KEYS})
             raise ValueError(f"unknown model arg {name!r}; model args: {', '.join(known)}")
-        param = METHOD_PARAMS[name]
-        if value is None:
-            params[name] = None
-        elif isinstance(param.default, bool):
-            params[name] = _flag(name, value)
-        elif isinstance(param.default, int):  # its range is the rule's to check
-            number = as_int(value)
-            if number is None:
-                raise _bad(name, f"an integer {param.allowed}", value)
-            params[name] = number
-        else:
-            params[name] = _number(name, value, f"a number {param.allowed}")
-    return params
+    return given
 
 
 _MODEL_ARGS = (
-    "target", "draft", "method", "num_draft_tokens", "drafter", "max_batch", "max_length",
-    "backend", "verifier_quant", "draft_quant", "dtype", "threads", "seed",
+    "target", "draft", "max_batch", "max_length", "backend", "verifier_quant", "draft_quant",
+    "dtype", "threads", "seed",
 )  # fmt: skip
-
-
-def drafter_for(method: str, drafter: object) -> str:
-    """The drafter for ``method``: model (default) or ngram; none applies to ``ar``."""
-    if drafter is None:
-        return "model"
-    if not METHODS[method].drafts:
-        raise ValueError(f"drafter does not apply to method {method} (no drafting)")
-    return choice("drafter", drafter, ("model", "ngram"))
 
 
 def model_source(name: str, value: object) -> ModelSource:

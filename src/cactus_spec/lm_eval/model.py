@@ -1,28 +1,27 @@
 """The lm-evaluation-harness backend: ``--model cactus-spec`` evaluates our engine.
 
-``generate_until`` decodes through the engine (``batch.decode_all``: continuous batching
-over ``max_batch`` rows, each request with its own seed, sampling and stop strings).
+``generate_until`` decodes through the engine (``decode_many``: continuous batching over
+``max_batch`` rows, each request with its own seed, sampling and stop strings).
 ``loglikelihood`` and ``loglikelihood_rolling`` score with the verifier alone: speculation
 changes how tokens are produced, never the verifier's likelihoods.
 
 lm-eval 0.4.13 finds models only in its own registry (no entry points), so importing this
 module registers ``CactusSpecLM`` as ``cactus-spec``, and ``main(argv)`` runs lm-eval's own
 command line with it registered (``cactus-spec lm-eval run --model cactus-spec ...``).
-Only this module and ``lm_eval_args`` (model args and gen_kwargs) import lm_eval, and only
-the command line's hook imports this module.
+Only this module and ``args`` (model args and gen_kwargs) import lm_eval, and only the
+command line's hook imports this module.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 import lm_eval.models  # noqa: F401 - lm-eval's models first: it imports them only into an empty registry
-import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -32,17 +31,15 @@ from tqdm import tqdm
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
-    DEFAULT_NUM_DRAFT_TOKENS,
-    METHODS,
-    build_rule,
 )
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
+from cactus_spec.core.spec import parse_spec
 from cactus_spec.lm_eval import args as lm_eval_args
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import check_load_options
-from cactus_spec.runtime.batch import Prompt, decode_all
-from cactus_spec.runtime.engine import ModelSource, SpeculativeDecoder
+from cactus_spec.loading.models import ModelSource, check_load_options
+from cactus_spec.runtime.batch import Prompt
+from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import GenerationResult
 
 __all__ = ["CactusSpecLM", "main"]
@@ -74,8 +71,9 @@ class CactusSpecLM(TemplateLM):
     Model args (lm-eval's ``--model_args key=value,...``; strings are converted, a bad one
     is a one-line ValueError naming it and its allowed values): ``target`` (default the
     default pair's verifier), ``draft`` (default the default pair's draft, when the method
-    drafts with a model), ``method`` (``methods.METHODS``) and its parameters (delta, exact,
-    epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), ``max_batch``
+    drafts with a model), ``method`` (``core.methods.METHODS``) and its parameters (delta,
+    exact, epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), read by
+    ``core.spec.parse_spec`` as the command line's flags are; ``max_batch``
     (rows decoded and scored at once), ``max_length`` (the longest window the verifier
     reads; default its cache's context length), ``backend``, ``verifier_quant``,
     ``draft_quant``, ``dtype``, ``threads``, ``seed`` (request i is decoded with
@@ -90,7 +88,7 @@ class CactusSpecLM(TemplateLM):
         target: ModelSource = DEFAULT_PAIR[0],
         draft: ModelSource | None = None,
         method: str = DEFAULT_METHOD,
-        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        num_draft_tokens: int | None = None,
         drafter: str | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_length: int | None = None,
@@ -106,10 +104,8 @@ class CactusSpecLM(TemplateLM):
         **method_params: Any,
     ) -> None:
         super().__init__()
-        method = lm_eval_args.choice("method", method, tuple(METHODS))
-        rule = build_rule(method, lm_eval_args.method_params(method_params))
-        drafter = lm_eval_args.drafter_for(method, drafter)
-        self.num_draft_tokens = lm_eval_args.integer("num_draft_tokens", num_draft_tokens, 1)
+        given = {"method": method, "num_draft_tokens": num_draft_tokens, "drafter": drafter}
+        spec = parse_spec(lm_eval_args.spec_args({**given, **method_params}), text=True)
         self.seed = lm_eval_args.integer("seed", seed, 0, MAX_SEED)
         max_batch = lm_eval_args.integer("max_batch", max_batch, 1)
         if max_length is not None:
@@ -122,13 +118,11 @@ class CactusSpecLM(TemplateLM):
         check_load_options(dtype, device, threads)
         lm_eval_args.ignore_batch_size(batch_size, max_batch_size)
         target = lm_eval_args.model_source("target", target)
-        draft_source = lm_eval_args.draft_source(draft, rule is not None and drafter == "model")
-        self.decoder = SpeculativeDecoder(
+        draft_source = lm_eval_args.draft_source(draft, spec.drafts and spec.drafter == "model")
+        self.engine = SpeculativeDecoder(
             target,
             draft_source,
-            rule,
-            self.num_draft_tokens,
-            drafter,
+            spec,
             dtype=dtype,
             device=device,
             threads=threads,
@@ -137,25 +131,24 @@ class CactusSpecLM(TemplateLM):
             verifier_quant=lm_eval_args.choice("verifier_quant", verifier_quant, QUANTS),
             max_batch=max_batch,
         )
-        if self.decoder.tokenizer is None:
+        if self.engine.tokenizer is None:
             raise ValueError("target must come with a tokenizer (a name, path or LoadedModel)")
-        self.tokenizer = self.decoder.tokenizer
-        self.rule = rule if self.decoder.drafter is not None else None
+        self.tokenizer = self.engine.tokenizer
         self._max_length = self._check_max_length(max_length)
-        self._device = self.decoder.target.device
+        self._device = self.engine.device
         self._info = {
             "target": lm_eval_args.describe(target),
             "draft": lm_eval_args.describe(draft_source),
-            "method": method,
-            "rule": repr(self.rule),
-            "num_draft_tokens": self.num_draft_tokens if self.rule is not None else 0,
-            "drafter": drafter if self.rule is not None else None,
+            "method": spec.method,
+            "rule": repr(spec.rule),
+            "num_draft_tokens": spec.num_draft_tokens,
+            "drafter": spec.drafter,
             "max_batch": max_batch,
             "seed": self.seed,
         }
 
     def _check_max_length(self, max_length: object) -> int:
-        limit = self.decoder.target_backend.context_length
+        limit = self.engine.context_length
         if max_length is None:
             return limit
         return lm_eval_args.integer("max_length", max_length, 1, limit)
@@ -170,7 +163,7 @@ class CactusSpecLM(TemplateLM):
     @property
     def eot_token_id(self) -> int:
         eos = self.tokenizer.eos_token_id
-        return eos if eos is not None else min(self.decoder.target.eos_ids)
+        return eos if eos is not None else min(self.engine.eos_ids)
 
     @property
     def prefix_token_id(self) -> int:
@@ -189,7 +182,7 @@ class CactusSpecLM(TemplateLM):
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
     ) -> list[int]:
-        """Text -> ids as ``decoder.encode(text, chat=False)``: no special tokens added unless
+        """Text -> ids as ``engine.encode(text, chat=False)``: no special tokens added unless
         ``add_special_tokens`` is True (so scoring and generation see the same ids)."""
         return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens)).input_ids)
 
@@ -234,15 +227,7 @@ class CactusSpecLM(TemplateLM):
                     bar.update(1)
 
                 prompts = [jobs[i][0] for i in indices]
-                k = self.num_draft_tokens if self.rule is not None else None
-                decode_all(
-                    self.decoder,
-                    prompts,
-                    sampling,
-                    rule=self.rule,
-                    num_draft_tokens=k,
-                    on_result=done,
-                )
+                self.engine.decode_many(prompts, sampling, on_result=done)
         return texts
 
     def _job(self, index: int, context: str, gen_kwargs: dict) -> tuple[Prompt, SamplingConfig]:
@@ -254,12 +239,12 @@ class CactusSpecLM(TemplateLM):
     def _encode_prompt(self, context: str) -> list[int]:
         if not context.strip():  # nothing to read: condition on BOS/EOS, as scoring does
             return [self.prefix_token_id]
-        return self.decoder.encode(context, chat=False)
+        return self.engine.encode(context, chat=False)
 
     def _fit_prompt(self, ids: list[int], max_new: int) -> list[int]:
         """``ids`` cut from the left so prompt + max_new (+ K drafts) fit the window."""
-        drafts = self.num_draft_tokens if self.rule is not None else 0
-        window = min(self.max_length, self.decoder.target_backend.context_length - drafts)
+        drafts = self.engine.spec.num_draft_tokens
+        window = min(self.max_length, self.engine.context_length - drafts)
         room = window - max_new
         if room < 1:
             raise ValueError(
@@ -320,61 +305,17 @@ class CactusSpecLM(TemplateLM):
         return _Window(key, tuple(fed[: len(fed) - count + 1]), continuation)
 
     def _score(self, windows: list[_Window], disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """Score every window; windows with the same prefix share one prefill (a row reads
-        the prefix once, then each continuation after rolling back to it)."""
-        out: list[tuple[float, bool] | None] = [None] * len(windows)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, window in enumerate(windows):
-            if window.continuation:
-                groups.setdefault(window.prefix, []).append(i)
-            else:
-                out[i] = (0.0, True)  # an empty continuation has probability 1
-        items = list(groups.items())
-        rows = self.decoder.target_backend.slots
+        """Score every window with the engine (``runtime.scoring``): windows with the same
+        prefix share one prefill."""
         with tqdm(total=len(windows), disable=disable_tqdm, desc="cactus-spec score") as bar:
-            for start in range(0, len(items), rows):
-                for i, scored in self._score_rows(items[start : start + rows], windows):
-                    out[i] = scored
-                    if windows[i].key is not None:
-                        self.cache_hook.add_partial("loglikelihood", windows[i].key, scored)
-                    bar.update(1)
-        return out  # type: ignore[return-value]  # every slot is filled
 
-    def _score_rows(
-        self, batch: list[tuple[tuple[int, ...], list[int]]], windows: list[_Window]
-    ) -> Iterator[tuple[int, tuple[float, bool]]]:
-        """Prefixes in rows 0..len(batch)-1, one pass; then the j-th continuation of every
-        row, after rolling back to its prefix, in passes of at most ``SCORE_CHUNK`` tokens.
-        Yields (window index, (logprob, is_greedy))."""
-        backend = self.decoder.target_backend
-        rows = list(range(len(batch)))
-        for row in rows:
-            backend.reset(row)
-        prefixes = [list(prefix) for prefix, _ in batch]
-        last = backend.append_ragged(prefixes, rows, last_only=True)  # b x [1, V]
-        for j in range(max(len(members) for _, members in batch)):
-            active = [r for r in rows if j < len(batch[r][1])]
-            conts = {r: windows[batch[r][1][j]].continuation for r in active}
-            scores = {r: self._logprob(last[r], conts[r][:1]) for r in active}
-            for r in active:
-                backend.rollback(len(prefixes[r]), r)
-            for at in range(0, max(len(c) for c in conts.values()) - 1, SCORE_CHUNK):
-                fed = [r for r in active if at < len(conts[r]) - 1]
-                pieces = [conts[r][at : min(at + SCORE_CHUNK, len(conts[r]) - 1)] for r in fed]
-                logits = backend.append_ragged(pieces, fed)  # each [len(piece), V]
-                for r, piece, piece_logits in zip(fed, pieces, logits, strict=True):
-                    more = self._logprob(piece_logits, conts[r][at + 1 : at + 1 + len(piece)])
-                    scores[r] = (scores[r][0] + more[0], scores[r][1] and more[1])
-            for r in active:
-                yield batch[r][1][j], scores[r]
+            def scored(i: int, score: tuple[float, bool]) -> None:
+                if windows[i].key is not None:
+                    self.cache_hook.add_partial("loglikelihood", windows[i].key, score)
+                bar.update(1)
 
-    def _logprob(self, logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
-        """logits [n, V'] at the n positions that predict ``continuation`` -> (sum of
-        log_softmax at its tokens, all of them argmax), over the engine's V = vocab_size."""
-        logits = logits[:, : self.decoder.vocab_size].float()  # [n, V]
-        tokens = torch.tensor(continuation, device=logits.device)  # [n]
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])  # [n, 1]
-        return float(logprobs.sum()), bool((logits.argmax(-1) == tokens).all())
+            items = [(w.prefix, w.continuation) for w in windows]
+            return self.engine.score(items, on_scored=scored)
 
 
 # --- command line -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Loading models (known names, local directories, GGUF files, hub ids) and the KV-cached
-backend interface.
+"""Loading models: known names, local directories, GGUF files and hub ids.
 
-A GGUF file is dequantised once into a dense bfloat16 copy in the cache (``cache``), keyed by
+A GGUF file is dequantised once into a dense bfloat16 copy in the model store
+(``model_store``), keyed by
 the file's sha256, so later loads take about a second. A known name (``catalog``) loads its
 cached GGUF only when it matches the pinned sha256; only a hub id reaches the network.
 """
@@ -33,6 +33,8 @@ from cactus_spec.loading.model_store import (
 
 __all__ = [
     "FETCH_HINT",
+    "ModelSource",
+    "as_loaded",
     "LoadedModel",
     "ModelNotFoundError",
     "VocabularyMismatchError",
@@ -267,3 +269,30 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> int:
             f"{min(widths)} logits"
         )
     return sizes[0]
+
+
+#: What a model argument may be: a name, path or hub id, a loaded model, or a transformers model.
+ModelSource = str | LoadedModel | PreTrainedModel
+
+
+def as_loaded(
+    name: str,
+    source: ModelSource,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    quant: str = "none",
+) -> LoadedModel:
+    """``source`` loaded (TypeError naming ``name`` for anything else); ``quant`` applies only
+    to what is loaded here, never to a model object the caller owns."""
+    if isinstance(source, LoadedModel):
+        return source
+    if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
+        raise TypeError(
+            f"{name} must be a model name, path, hub id, LoadedModel or PreTrainedModel, "
+            f"got {type(source).__name__}"
+        )
+    if isinstance(source, PreTrainedModel):
+        quant = "none"
+    return load_model(source, dtype=dtype, device=device, threads=threads, quant=quant)

@@ -1,10 +1,13 @@
 """Decode a list of prompts to the end, many rows at a time: the scheduler, driven to empty.
 
-``decode_all`` submits every prompt to a ``Scheduler`` over the decoder's rows
+``decode_all`` submits every prompt to a ``Scheduler`` over the engine's rows
 (``max_batch`` of them) and waits: rows that finish are refilled with the next prompt
 between iterations (continuous batching), and each result is handed to ``on_result`` as
 soon as it exists, so a caller can record it before the rest are done (resumable runs).
-A row's law is its own (its rule, sampling and seed), whatever its neighbours are.
+A row's law is its own (its spec, sampling and seed), whatever its neighbours are. Every
+prompt is queued before the scheduler starts, so the first iteration holds the first
+``max_batch`` of them, whatever the threads' timing. The engine's ``decode_many`` checks the
+prompts and calls this.
 """
 
 from __future__ import annotations
@@ -13,46 +16,40 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cactus_spec.core.rules import Rule
-from cactus_spec.core.sampling import SamplingConfig, check_seed
-from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import GenerationResult
 from cactus_spec.runtime.policy import SpeculationPolicy
-from cactus_spec.runtime.scheduler import Request, Scheduler
+from cactus_spec.runtime.scheduler import Request, Rows, Scheduler
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One generation to run: ids (already encoded), its budget, its seed, its stops."""
+    """One generation to run: ids (already encoded), its budget, its seed, its stops, and
+    its own spec (None: the run's)."""
 
     ids: Sequence[int]
     max_new_tokens: int
     seed: int = 0
     stop: tuple[str, ...] = ()
+    spec: DecodeSpec | None = None
 
 
 def decode_all(
-    decoder: SpeculativeDecoder,
+    engine: Rows,
     prompts: Sequence[Prompt],
     sampling: SamplingConfig,
+    spec: DecodeSpec,
     *,
-    rule: Rule | None | str = "default",
-    num_draft_tokens: int | None = None,
     policy: SpeculationPolicy | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """Decode every prompt; the results in the prompts' order.
+    """Decode every prompt by its own spec, else ``spec``; the results in the prompts' order.
 
-    ``rule``: the decoder's own (``"default"``), another Rule, or None (autoregressive).
-    ``num_draft_tokens``: a fixed K (None: the policy's choice, else the decoder's K).
     ``on_result(index, result)`` runs on the decoding thread as each prompt finishes; an
     exception it raises stops the run and is raised here. Ctrl-C stops after the current
     iteration (what finished has been handed to ``on_result``) and raises KeyboardInterrupt.
     """
-    for prompt in prompts:
-        check_seed(prompt.seed)
-        decoder.check_context(len(prompt.ids), prompt.max_new_tokens)
-    rule = decoder.rule if rule == "default" else rule
     results: list[GenerationResult | None] = [None] * len(prompts)
     failures: list[BaseException] = []
     all_done = threading.Event()
@@ -73,11 +70,11 @@ def decode_all(
         failures.append(err)
         all_done.set()
 
-    scheduler = Scheduler(decoder, max_queue=max(1, len(prompts)), policy=policy)
+    scheduler = Scheduler(engine, max_queue=max(1, len(prompts)), policy=policy)
+    for index, prompt in enumerate(prompts):
+        scheduler.submit(_request(prompt, sampling, spec, index, done, fail))
     scheduler.start()
     try:
-        for index, prompt in enumerate(prompts):
-            scheduler.submit(_request(prompt, sampling, rule, num_draft_tokens, index, done, fail))
         if prompts:
             while not all_done.wait(0.2):  # a timed wait, so Ctrl-C reaches this thread
                 pass
@@ -88,14 +85,13 @@ def decode_all(
     return results  # type: ignore[return-value]  # every slot is filled once all_done
 
 
-def _request(prompt, sampling, rule, num_draft_tokens, index, done, fail) -> Request:
+def _request(prompt: Prompt, sampling, spec, index: int, done, fail) -> Request:
     return Request(
         list(prompt.ids),
         prompt.max_new_tokens,
         sampling,
         prompt.seed,
-        rule,
-        num_draft_tokens,
+        prompt.spec or spec,
         stop=list(prompt.stop),
         on_done=lambda result: done(index, result),
         on_error=fail,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.core.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.core.sampling import SamplingConfig, draw, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,22 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
-    """Proposes continuations of token contexts, for several rows at once."""
+    """Proposes continuations of token contexts, for several rows at once.
+
+    ``backend`` is the draft model's (None for a drafter without a model): the engine times
+    one draft step on it to seed the serving policy's costs.
+    """
+
+    backend: Backend | None
 
     def reset(self, row: int | None = None) -> None:
         """Forget any state from an earlier sequence in ``row`` (default: every row)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """For each request, up to ``k`` tokens that may follow its context."""
+
+    def behind(self, row: int, context: Sequence[int]) -> int:
+        """Tokens of ``context`` the drafter would read before drafting for ``row`` again."""
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -75,14 +84,19 @@ class ModelDrafter:
     def __init__(self, backend: Backend, vocab_size: int) -> None:
         self.backend = backend
         self.vocab_size = vocab_size
-        self._cached: dict[int, list[int]] = {}
+        self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
+        self._seen: dict[int, int] = {}  # row -> context length when it last drafted
 
     def reset(self, row: int | None = None) -> None:
         self.backend.reset(row)
         if row is None:
-            self._cached = {}
+            self._cached, self._seen = {}, {}
         else:
             self._cached.pop(row, None)
+            self._seen.pop(row, None)
+
+    def behind(self, row: int, context: Sequence[int]) -> int:
+        return len(context) - self._seen.get(row, 0)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         pending = [self._catch_up(r) for r in requests]
@@ -91,16 +105,19 @@ class ModelDrafter:
         active = [i for i, r in enumerate(requests) if r.k > 0]
         while active:
             feeds = [pending[i] for i in active]
-            logits = self.backend.append_ragged(feeds, [requests[i].row for i in active], True)
+            rows_fed = [requests[i].row for i in active]
+            logits = self.backend.append_ragged(feeds, rows_fed, last_only=True)
             for i, row_logits in zip(active, logits, strict=True):
-                probs = logits_to_probs(row_logits[-1:, : self.vocab_size], requests[i].sampling)
-                token = _draw(probs, requests[i].sampling, requests[i].generator)  # probs [1, V]
+                r = requests[i]
+                probs = logits_to_probs(row_logits[-1:, : self.vocab_size], r.sampling)  # [1, V]
+                token = draw(probs, r.sampling.greedy, r.generator)
                 rows[i].append(probs)
                 tokens[i].append(token)
                 pending[i] = [token]
             active = [i for i in active if len(tokens[i]) < requests[i].k]
         drafts = []
         for request, drafted, probs in zip(requests, tokens, rows, strict=True):
+            self._seen[request.row] = len(request.context)
             if drafted:  # the cache holds the context and every draft but the last
                 self._cached[request.row] = list(request.context) + drafted[:-1]
             drafts.append(Draft(drafted, torch.cat(probs) if probs else None))
@@ -113,14 +130,6 @@ class ModelDrafter:
         self.backend.rollback(keep, request.row)  # always feed at least one token
         self._cached[request.row] = list(request.context[:keep])
         return list(request.context[keep:])
-
-
-def _draw(probs: Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
-    """One token from probs [1, V]: argmax when greedy, else one seeded inverse-CDF draw."""
-    if sampling.greedy:
-        return int(probs.argmax(-1))
-    u = uniforms(1, 1, generator, probs.device)[:, 0]  # [1]
-    return int(sample_inverse_cdf(probs, u))
 
 
 class NGramDrafter:
@@ -139,9 +148,14 @@ class NGramDrafter:
             )
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.backend = None
 
     def reset(self, row: int | None = None) -> None:
         """Stateless: nothing to forget."""
+
+    def behind(self, row: int, context: Sequence[int]) -> int:
+        """Nothing to read: it looks at the whole context each time."""
+        return 0
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self.propose_one(r.context, r.k) for r in requests]

@@ -1,15 +1,21 @@
-"""The public decoder: loads the verifier and the drafter, encodes prompts, and generates.
+"""The engine: loads the verifier and the drafter, encodes prompts, and decodes by a spec.
 
 One iteration (``stepper``): the drafter proposes K tokens; the verifier scores
 ``[t, d_1..d_K]`` (t = the last emitted token, not yet in its cache) in ONE forward pass,
 giving K+1 rows of q; ``verify`` keeps m drafts and emits one more token; the verifier's
-cache is rolled back to the kept prefix. With no draft (K = 0, the autoregressive baseline)
-the same step samples one token from q. ``generate`` decodes one sequence in row 0; the
-scheduler (``scheduler``) decodes many at once through the same stepper.
+cache is rolled back to the kept prefix. A method that drafts nothing (``ar``) samples one
+token from q in the same step.
+
+Callers use the engine's methods and nothing inside it: ``generate`` (one sequence),
+``decode_many`` (many, continuously batched over ``max_batch`` rows), ``score``
+(log-likelihoods under the verifier), ``encode``/``encode_chat``, ``check_context``, and for
+the scheduler ``new_generation``, ``prefill``, ``step`` and ``behind``. The engine talks to
+models only through ``Backend`` and ``Drafter``: device and EOS ids come with the loaded
+model, logits and rollback through the backend.
 
 The divergence meter sums, over every emitted drafted position, the exact
 KL(step_law || q) from ``audit``: an unbiased estimate of the sequence-level
-KL(P_method || P_verifier) in nats (0 for SpS and at temperature 0).
+KL(P_method || P_verifier) in nats (0 for lossless methods and at temperature 0).
 """
 
 from __future__ import annotations
@@ -19,49 +25,36 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from cactus_spec.backends.quant import check_quant
-from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
-from cactus_spec.core.rules import Rule, SpS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.divergence import Divergence, quant_divergence
-from cactus_spec.loading.models import LoadedModel, check_same_vocabulary, load_model
+from cactus_spec.loading.models import ModelSource, as_loaded, check_same_vocabulary
+from cactus_spec.runtime import scoring
+from cactus_spec.runtime.batch import Prompt, decode_all
 from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
 from cactus_spec.runtime.generation import Generation, GenerationResult, GenerationStats
-from cactus_spec.runtime.stepper import Stepper
+from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
+from cactus_spec.runtime.scheduler import Request
+from cactus_spec.runtime.stepper import Stepper, StepTiming
 
 __all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_prompt_text"]
 
-ModelSource = str | LoadedModel | PreTrainedModel
-
-
-def _as_loaded(name: str, source: ModelSource, dtype, device, threads, quant) -> LoadedModel:
-    """``source`` loaded; ``quant`` applies only to what is loaded here (never to a model
-    object the caller owns)."""
-    if isinstance(source, LoadedModel):
-        return source
-    if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
-        raise TypeError(
-            f"{name} must be a model name, path, hub id, LoadedModel or PreTrainedModel, "
-            f"got {type(source).__name__}"
-        )
-    if isinstance(source, PreTrainedModel):
-        quant = "none"
-    return load_model(source, dtype=dtype, device=device, threads=threads, quant=quant)
-
 
 class SpeculativeDecoder:
-    """Speculative decoding of ``target`` with drafts from ``draft`` or an n-gram lookup.
+    """Decodes ``target`` (the verifier) by ``spec``: its method, K and drafter.
 
-    ``draft=None`` with ``drafter="model"`` decodes the verifier autoregressively
-    through the same sampling code: the baseline every speedup is measured
-    against. ``drafter`` may also be "ngram" or any ``Drafter`` object.
+    ``draft`` is the draft model, needed when the spec drafts with the ``model`` drafter and
+    refused otherwise (``ar`` drafts nothing; ``ngram`` looks up the context). A request may
+    bring its own spec (``generate``, ``decode_many``, the server's ``speculative``), with
+    this engine's drafter. ``max_draft_tokens`` bounds K for every row (the serving
+    policy's cap, and what ``check_context`` reserves for drafts); default: the spec's K.
 
-    ``backend`` picks the code that runs both models (``backends.load.make_backend``:
-    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none", "int8", "int4") apply to
-    models this constructor loads from a name or path: the draft is int8 by default (the
+    ``backend`` picks the code that runs both models (``loading.backend.make_backend``:
+    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none", "int8", "int4") apply
+    to models this constructor loads from a name or path: the draft is int8 by default (the
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
     """
 
@@ -69,10 +62,9 @@ class SpeculativeDecoder:
         self,
         target: ModelSource,
         draft: ModelSource | None = None,
-        rule: Rule | None = None,
-        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
-        drafter: str | Drafter = "model",
+        spec: DecodeSpec | None = None,
         *,
+        max_draft_tokens: int | None = None,
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
         threads: int | None = None,
@@ -81,42 +73,52 @@ class SpeculativeDecoder:
         verifier_quant: str = "none",
         max_batch: int = 1,
     ) -> None:
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-        if rule is not None and not isinstance(rule, Rule):
-            raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {rule!r}")
+        spec = DecodeSpec() if spec is None else spec
+        if not isinstance(spec, DecodeSpec):
+            raise TypeError(f"spec must be a DecodeSpec (DecodeSpec.of(...)), got {spec!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        self.rule = rule if rule is not None else SpS()
-        self.num_draft_tokens = num_draft_tokens
+        self.spec = spec
+        self.max_draft_tokens = _max_draft_tokens(spec, max_draft_tokens)
+        _check_draft(spec, draft)
         check_quant(draft_quant, "draft_quant")
-        self.target = _as_loaded(
-            "target", target, dtype, device, threads, check_quant(verifier_quant, "verifier_quant")
-        )
+        load = {"dtype": dtype, "device": device, "threads": threads}
+        quant = check_quant(verifier_quant, "verifier_quant")
+        self.target = as_loaded("target", target, **load, quant=quant)
         self.tokenizer = self.target.tokenizer
-        self.target_backend = make_backend(self.target, backend, max_batch)
         self.max_batch = max_batch
-        self.vocab_size = self.target_backend.vocab_size
+        self._verifier = make_backend(self.target, backend, max_batch)
+        self.vocab_size = self._verifier.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
-        load = {"dtype": dtype, "device": device, "threads": threads, "quant": draft_quant}
-        self.drafter = self._make_drafter(draft, drafter, load, backend)
-        self.stepper = Stepper(self.target_backend, self.drafter, self.vocab_size)
+        self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
+        self._stepper = Stepper(self._verifier, self._drafter, self.vocab_size)
 
-    def _make_drafter(self, draft, drafter, load: dict, backend: str) -> Drafter | None:
-        if not isinstance(drafter, str):
-            return drafter
-        if drafter == "ngram":
-            return NGramDrafter()
-        if drafter != "model":
-            raise ValueError(f"drafter must be 'model', 'ngram' or a Drafter, got {drafter!r}")
-        if draft is None:
+    def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
+        if not self.spec.drafts:
             return None
-        loaded = _as_loaded("draft", draft, **load)
+        if self.spec.drafter == "ngram":
+            return NGramDrafter()
+        loaded = as_loaded("draft", draft, **load)
         self.vocab_size = check_same_vocabulary(self.target, loaded)
         return ModelDrafter(make_backend(loaded, backend, self.max_batch), self.vocab_size)
+
+    # --- what callers read ----------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens a row of the verifier's cache holds."""
+        return self._verifier.context_length
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.target.eos_ids
+
+    # --- prompts --------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Prompt text (through the chat template when the tokenizer has one) or ids -> ids."""
@@ -124,7 +126,7 @@ class SpeculativeDecoder:
             check_prompt_text(prompt)
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            if chat and getattr(self.tokenizer, "chat_template", None):
+            if chat and self.tokenizer.chat_template:
                 return self.encode_chat([{"role": "user", "content": prompt}])
             return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         ids = _token_ids(prompt)
@@ -137,12 +139,31 @@ class SpeculativeDecoder:
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Chat messages ({"role", "content"}) through the chat template, with the prompt of
         the assistant's turn, -> ids."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("chat needs a tokenizer with a chat template")
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def check_context(
+        self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None
+    ) -> None:
+        """ValueError when decoding by ``spec`` (default: the engine's) could overflow the
+        verifier's cache: the prompt, the budget and one iteration's drafts."""
+        spec = self._spec(spec)
+        parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
+        if spec.drafts:
+            k = spec.num_draft_tokens
+            parts["num_draft_tokens"] = self.max_draft_tokens if k is None else k
+        if sum(parts.values()) > self.context_length:
+            terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
+            raise ValueError(
+                f"context overflow: {terms} = {sum(parts.values())} tokens exceed the "
+                f"verifier's context length {self.context_length}"
+            )
+
+    # --- decoding -------------------------------------------------------------------------
 
     def generate(
         self,
@@ -155,64 +176,73 @@ class SpeculativeDecoder:
         stop: Sequence[str] | None = None,
         chat: bool = True,
         on_text: Callable[[str], None] | None = None,
+        spec: DecodeSpec | None = None,
     ) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt``.
+        """Generate up to ``max_new_tokens`` tokens after ``prompt`` by ``spec`` (default:
+        the engine's; K None drafts ``max_draft_tokens``).
 
-        Stops at EOS (kept in ``token_ids``), at a stop string (the text is cut
-        before it; ``token_ids`` end with the token that completed it), or at the
-        budget. Ctrl-C returns what was generated so far, with ``interrupted=True``.
-        ``on_text`` receives each new piece of text. ``seed`` is an integer in
-        [0, 2**64 - 1]; the same seed gives the same tokens.
+        Stops at EOS (kept in ``token_ids``), at a stop string (the text is cut before it;
+        ``token_ids`` end with the token that completed it), or at the budget. Ctrl-C returns
+        what was generated so far, with ``interrupted=True``. ``on_text`` receives each new
+        piece of text. ``seed`` is an integer in [0, 2**64 - 1]; the same seed gives the
+        same tokens.
         """
         sampling = SamplingConfig(temperature, top_k, top_p)
         check_seed(seed)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        _check_count("max_new_tokens", max_new_tokens)
+        spec = self._spec(spec)
         prompt_ids = self.encode(prompt, chat)
-        self.check_context(len(prompt_ids), max_new_tokens)
-        generation = self.new_generation(
-            prompt_ids, max_new_tokens, sampling, seed, stop=stop, on_text=on_text
-        )
+        self.check_context(len(prompt_ids), max_new_tokens, spec)
+        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, list(stop or []))
+        request.on_text = on_text
+        generation = self.new_generation(request, row=0)
+        k = self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
         try:
-            self.stepper.prefill([generation])
+            self._stepper.prefill([generation])
             while not generation.done:
-                self.stepper.step([generation], [self.num_draft_tokens])
+                self._stepper.step([generation], [k])
         except KeyboardInterrupt:
             return generation.finish(interrupted=True)
         return generation.finish()
 
-    def new_generation(
+    def decode_many(
         self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
+        prompts: Sequence[Prompt],
         sampling: SamplingConfig,
-        seed: int,
         *,
-        rule: Rule | None | str = "default",
-        num_draft_tokens: int | None = None,
-        stop: Sequence[str] | None = None,
-        on_text: Callable[[str], None] | None = None,
-        row: int = 0,
-    ) -> Generation:
-        """A generation of ``prompt_ids`` in ``row``, with this decoder's rule unless ``rule``
-        is given (None: autoregressive). Without a drafter nothing is ever drafted."""
-        rule = self.rule if rule == "default" else rule
-        return Generation(
-            prompt_ids,
-            max_new_tokens,
-            sampling,
-            seed,
-            rule=rule if self.drafter is not None else None,
-            num_draft_tokens=num_draft_tokens,
-            eos_ids=self.target.eos_ids,
-            tokenizer=self.tokenizer,
-            stop=stop,
-            on_text=on_text,
-            device=self.target.device,
-            row=row,
-        )
+        spec: DecodeSpec | None = None,
+        policy: SpeculationPolicy | None = None,
+        on_result: Callable[[int, GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Decode every prompt by its own spec, else ``spec`` (default: the engine's),
+        ``max_batch`` rows at a time (``batch.decode_all``); the results in the prompts'
+        order, each also handed to ``on_result(index, result)`` as it finishes. Every prompt
+        is checked first."""
+        spec = self._spec(spec)
+        for prompt in prompts:
+            check_seed(prompt.seed)
+            _check_count("max_new_tokens", prompt.max_new_tokens)
+            own = self._spec(prompt.spec or spec)
+            self._check_drafter(own)
+            self.check_context(len(prompt.ids), prompt.max_new_tokens, own)
+        return decode_all(self, prompts, sampling, spec, policy=policy, on_result=on_result)
+
+    def score(
+        self,
+        items: Sequence[scoring.Item],
+        on_scored: Callable[[int, scoring.Score], None] | None = None,
+    ) -> list[scoring.Score]:
+        """(log P(continuation | prefix), whether the continuation is the verifier's greedy
+        path) for each (prefix ids, continuation ids), under the verifier alone
+        (``scoring``); ``on_scored(index, score)`` as each is done."""
+        return scoring.score(self._verifier, self.vocab_size, items, on_scored)
+
+    def calibrated_policy(self) -> SpeculationPolicy | None:
+        """A serving policy for K up to ``max_draft_tokens``, its costs timed on this
+        engine's models (``policy.calibrated_policy``); None when nothing is drafted."""
+        if self._drafter is None:
+            return None
+        return calibrated_policy(self._verifier, self._drafter, self.max_draft_tokens)
 
     def verifier_divergence(self) -> Divergence | None:
         """How far a quantised verifier's law is from its bfloat16 original (KL in nats per
@@ -220,18 +250,81 @@ class SpeculativeDecoder:
         for an unquantised verifier."""
         return quant_divergence(self.target)
 
-    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise ValueError when the verifier's cache could overflow (drafts included)."""
-        parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
-        if self.drafter is not None:
-            parts["num_draft_tokens"] = self.num_draft_tokens
-        limit = self.target_backend.context_length
-        if sum(parts.values()) > limit:
-            terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
+    # --- rows, for the scheduler ----------------------------------------------------------
+
+    def new_generation(self, request: Request, row: int) -> Generation:
+        """The generation of ``request`` in ``row`` (its spec must draft with this engine's
+        drafter, or draft nothing)."""
+        self._check_drafter(request.spec)
+        return Generation(
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.sampling,
+            request.seed,
+            spec=request.spec,
+            eos_ids=self.target.eos_ids,
+            tokenizer=self.tokenizer,
+            stop=request.stop,
+            on_text=request.on_text,
+            device=self.target.device,
+            row=row,
+        )
+
+    def prefill(self, generations: Sequence[Generation]) -> None:
+        """Read the generations' prompts into their rows (``Stepper.prefill``)."""
+        self._stepper.prefill(generations)
+
+    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
+        """One iteration over the generations (``Stepper.step``)."""
+        return self._stepper.step(generations, ks)
+
+    def behind(self, generations: Sequence[Generation]) -> list[int]:
+        """Tokens the drafter would read for each generation before drafting again."""
+        return self._stepper.behind(generations)
+
+    def _check_drafter(self, spec: DecodeSpec) -> None:
+        """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter."""
+        if spec.drafts and spec.drafter != self.spec.drafter:
+            have = f"drafts with {self.spec.drafter}" if self.spec.drafts else "has no drafter"
             raise ValueError(
-                f"context overflow: {terms} = {sum(parts.values())} tokens exceed the "
-                f"verifier's context length {limit}"
+                f"method {spec.method} drafts with {spec.drafter}, but this engine {have}"
             )
+
+    def _spec(self, spec: DecodeSpec | None) -> DecodeSpec:
+        if spec is None:
+            return self.spec
+        if not isinstance(spec, DecodeSpec):
+            raise TypeError(f"spec must be a DecodeSpec (DecodeSpec.of(...)), got {spec!r}")
+        return spec
+
+
+def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
+    if given is None:
+        return spec.num_draft_tokens or DecodeSpec().num_draft_tokens
+    _check_count("max_draft_tokens", given)
+    if spec.num_draft_tokens is not None and spec.drafts and spec.num_draft_tokens > given:
+        raise ValueError(
+            f"num_draft_tokens ({spec.num_draft_tokens}) must not exceed max_draft_tokens "
+            f"({given})"
+        )
+    return given
+
+
+def _check_draft(spec: DecodeSpec, draft: ModelSource | None) -> None:
+    """A draft model goes with the model drafter, and only with it."""
+    needed = spec.drafts and spec.drafter == "model"
+    if needed and draft is None:
+        raise ValueError(f"method {spec.method} with the model drafter needs a draft model")
+    if not needed and draft is not None:
+        why = "it drafts nothing" if not spec.drafts else f"it drafts with {spec.drafter}"
+        raise ValueError(f"a draft model does not apply to method {spec.method} ({why})")
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def check_prompt_text(prompt: str) -> None:

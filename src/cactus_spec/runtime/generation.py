@@ -1,4 +1,5 @@
-"""One generation's state: its context, sampling, seed, rule, stop conditions and statistics.
+"""One generation's state: its context, sampling, seed, decoding spec, stop conditions and
+statistics.
 
 A ``Generation`` occupies one row (slot) of the backends' caches while it decodes; the
 stepper (``stepper``) advances any number of them together. Everything that belongs to a
@@ -14,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cactus_spec.core.rules import Rule
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 
 
 @dataclass
@@ -118,11 +119,8 @@ class GenerationResult:
 
 
 class Generation:
-    """The state of one sequence being decoded in row ``row`` of the caches.
-
-    ``rule`` None decodes autoregressively (nothing drafted); ``num_draft_tokens`` is the
-    K this sequence asks for, or None to let the caller's policy choose.
-    """
+    """The state of one sequence being decoded in row ``row`` of the caches, by ``spec``
+    (its method and K; K None leaves it to the caller's policy)."""
 
     def __init__(
         self,
@@ -131,8 +129,7 @@ class Generation:
         sampling: SamplingConfig,
         seed: int,
         *,
-        rule: Rule | None,
-        num_draft_tokens: int | None,
+        spec: DecodeSpec,
         eos_ids: frozenset[int],
         tokenizer=None,
         stop: Sequence[str] | None = None,
@@ -146,8 +143,7 @@ class Generation:
         self.max_new = max_new_tokens
         self.sampling = sampling
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.rule = rule
-        self.num_draft_tokens = num_draft_tokens
+        self.spec = spec
         self.eos = eos_ids
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
@@ -156,7 +152,6 @@ class Generation:
         self.streamed = ""
         self.done = False
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
-        self.drafter_seen = 0  # context length when the drafter last drafted for this row
         self.started = time.perf_counter()
 
     @property
@@ -164,23 +159,14 @@ class Generation:
         return self.context[self.prompt_len :]
 
     @property
-    def drafts(self) -> bool:
-        return self.rule is not None
-
-    @property
     def remaining(self) -> int:
         """Tokens of the budget not yet emitted."""
         return self.max_new - len(self.new_ids)
 
-    @property
-    def drafter_lag(self) -> int:
-        """Tokens a model drafter would have to catch up on before drafting for this row."""
-        return len(self.context) - self.drafter_seen
-
     def draft_budget(self, k: int) -> int:
         """How many of ``k`` drafts could still be emitted: one token of the budget is the
         verifier's own (drafts beyond it would be cut anyway)."""
-        if not self.drafts:
+        if not self.spec.drafts:
             return 0
         return max(0, min(k, self.max_new - len(self.new_ids) - 1))
 

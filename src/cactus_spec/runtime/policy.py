@@ -28,13 +28,14 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from cactus_spec.backends.base import Backend
 from cactus_spec.runtime.drafters import Drafter
 from cactus_spec.runtime.generation import Generation
-from cactus_spec.runtime.stepper import StepTiming, needs_sync
+from cactus_spec.runtime.stepper import StepTiming
 
+#: How K is chosen for rows that fix none: ``auto`` by this policy, ``fixed`` the engine's
+#: ``max_draft_tokens``.
+POLICIES = ("auto", "fixed")
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
@@ -104,20 +105,22 @@ class SpeculationPolicy:
             reached + _PRIOR_POSITIONS
         )
 
-    def choose(self, generations: Sequence[Generation]) -> list[int]:
+    def choose(self, generations: Sequence[Generation], behind: Sequence[int]) -> list[int]:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
-        the K that maximises expected tokens per second over the whole batch."""
-        auto = [g for g in generations if g.drafts and g.num_draft_tokens is None]
-        fixed = [_fixed_k(g) for g in generations if g not in auto]
-        best = self._best_k(auto, fixed) if auto else 0
-        return [best if g in auto else _fixed_k(g) for g in generations]
+        the K that maximises expected tokens per second over the whole batch. ``behind[i]``:
+        the tokens the drafter would read for generation i before drafting."""
+        auto = [i for i, g in enumerate(generations) if _adaptive(g)]
+        fixed = [_fixed_k(g) for g in generations if not _adaptive(g)]
+        lags = [behind[i] for i in auto]
+        best = self._best_k([generations[i] for i in auto], lags, fixed) if auto else 0
+        return [best if _adaptive(g) else _fixed_k(g) for g in generations]
 
-    def _best_k(self, auto: list[Generation], fixed: list[int]) -> int:
+    def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[int]) -> int:
         alphas = [self.alpha(g) for g in auto]
         fixed_tokens = sum(k + 1 for k in fixed)
         rows = len(auto) + len(fixed)
 
-        lag = sum(g.drafter_lag for g in auto if g.drafter_lag > _STEADY_LAG)
+        lag = sum(n for n in lags if n > _STEADY_LAG)
         catch_up = lag * self.catch_up_token_s
         remaining = max(1.0, sum(g.remaining for g in auto) / len(auto))  # tokens per row
 
@@ -167,8 +170,13 @@ def _least_of_three(work: Callable[[int], float], size: int) -> float:
     return min(work(size) for _ in range(3))
 
 
+def _adaptive(g: Generation) -> bool:
+    """Whether the generation leaves K to the policy."""
+    return g.spec.drafts and g.spec.num_draft_tokens is None
+
+
 def _fixed_k(g: Generation) -> int:
-    return (g.num_draft_tokens or 0) if g.drafts else 0
+    return g.spec.num_draft_tokens or 0
 
 
 def _doubling(limit: int) -> list[int]:
@@ -188,7 +196,7 @@ def calibrated_policy(
     Leaves the caches empty."""
     policy = SpeculationPolicy(max_draft_tokens)
     slots = verifier.slots
-    draft_backend = getattr(drafter, "backend", None)
+    draft_backend = drafter.backend if drafter is not None else None
     backends = [verifier] + ([draft_backend] if draft_backend else [])
     for backend in backends:  # every row holds a context, once
         backend.append_ragged([[0] * _CONTEXT] * slots, list(range(slots)), last_only=True)
@@ -218,11 +226,9 @@ def _timed_spread(backend: Backend, tokens: int, rows: int) -> float:
     rows = min(rows, tokens, backend.slots)
     share = -(-tokens // rows)
     every = list(range(rows))
-    sync = needs_sync(backend)
     start = time.perf_counter()
     backend.append_ragged([[0] * share for _ in every], every)
-    if sync:
-        torch.cuda.synchronize()
+    backend.synchronize()
     seconds = time.perf_counter() - start
     for row in every:
         backend.rollback(_CONTEXT, row)

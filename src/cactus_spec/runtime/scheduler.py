@@ -14,14 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from cactus_spec.core.rules import Rule
 from cactus_spec.core.sampling import SamplingConfig
-from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import Generation, GenerationResult
 from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.stepper import StepTiming
 
 #: Window of the tokens-per-second gauge.
 _RATE_WINDOW_S = 10.0
@@ -33,15 +34,14 @@ class QueueFullError(RuntimeError):
 
 @dataclass(eq=False)
 class Request:
-    """One generation to run. ``rule`` None is autoregressive decoding; ``num_draft_tokens``
-    None leaves K to the policy (or the decoder's K without one)."""
+    """One generation to run by ``spec``; its K None leaves K to the policy (without one,
+    the engine's ``max_draft_tokens``)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingConfig
     seed: int
-    rule: Rule | None
-    num_draft_tokens: int | None = None
+    spec: DecodeSpec
     stop: list[str] = field(default_factory=list)
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[GenerationResult], None] | None = None
@@ -71,20 +71,39 @@ class Counters:
         return sum(n for _, n in self.recent) / _RATE_WINDOW_S
 
 
+class Rows(Protocol):
+    """What the scheduler asks of the engine (``runtime.engine.SpeculativeDecoder``)."""
+
+    max_batch: int
+    max_draft_tokens: int
+
+    def new_generation(self, request: Request, row: int) -> Generation:
+        """The generation of ``request`` in ``row``."""
+
+    def prefill(self, generations: Sequence[Generation]) -> None:
+        """Read the generations' prompts into their rows."""
+
+    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
+        """One iteration over the generations, drafting up to ``ks[i]`` for the i-th."""
+
+    def behind(self, generations: Sequence[Generation]) -> list[int]:
+        """Tokens the drafter would read for each generation before drafting."""
+
+
 class Scheduler:
-    """Runs requests on ``decoder``'s rows (``decoder.max_batch`` at a time)."""
+    """Runs requests on ``engine``'s rows (``engine.max_batch`` at a time)."""
 
     def __init__(
         self,
-        decoder: SpeculativeDecoder,
+        engine: Rows,
         max_queue: int = 64,
         policy: SpeculationPolicy | None = None,
     ) -> None:
-        self.decoder = decoder
+        self.engine = engine
         self.max_queue = max_queue
         self.policy = policy
         self.counters = Counters()
-        self._free = list(range(decoder.max_batch))
+        self._free = list(range(engine.max_batch))
         self._waiting: deque[Request] = deque()
         self._active: list[tuple[Request, Generation]] = []
         self._wake = threading.Condition()
@@ -145,28 +164,14 @@ class Scheduler:
             if request.cancelled:
                 self.counters.requests_cancelled += 1
                 continue
-            admitted.append((request, self._generation(request, self._free.pop(0))))
+            admitted.append((request, self.engine.new_generation(request, self._free.pop(0))))
         return admitted
-
-    def _generation(self, request: Request, row: int) -> Generation:
-        return self.decoder.new_generation(
-            request.prompt_ids,
-            request.max_new_tokens,
-            request.sampling,
-            request.seed,
-            rule=request.rule,
-            num_draft_tokens=request.num_draft_tokens,
-            stop=request.stop,
-            on_text=request.on_text,
-            row=row,
-        )
 
     def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
         """Prefill what joined, drop what was cancelled, run one iteration, finish what ended."""
-        stepper = self.decoder.stepper
         if admitted:  # rows in order, so that a batch of neighbouring rows is a view
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
-            stepper.prefill([g for _, g in admitted])
+            self.engine.prefill([g for _, g in admitted])
         for request, g in [pair for pair in self._active if pair[0].cancelled]:
             self._release(request, g)
             self.counters.requests_cancelled += 1
@@ -174,7 +179,7 @@ class Scheduler:
             return
         generations = [g for _, g in self._active]
         ks = self._draft_lengths(generations)
-        timing = stepper.step(generations, ks)
+        timing = self.engine.step(generations, ks)
         if self.policy is not None:
             self.policy.observe(timing)
         self.counters.iterations += 1
@@ -184,9 +189,9 @@ class Scheduler:
 
     def _draft_lengths(self, generations: list[Generation]) -> list[int]:
         if self.policy is not None:
-            return self.policy.choose(generations)
-        default = self.decoder.num_draft_tokens
-        return [g.num_draft_tokens or default for g in generations]
+            return self.policy.choose(generations, self.engine.behind(generations))
+        ks = [g.spec.num_draft_tokens for g in generations]
+        return [self.engine.max_draft_tokens if k is None else k for k in ks]
 
     def _finish(self, request: Request, g: Generation) -> None:
         self._release(request, g)

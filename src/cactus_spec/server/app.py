@@ -16,13 +16,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.generation import GenerationResult
-from cactus_spec.runtime.scheduler import QueueFullError, Scheduler
-from cactus_spec.runtime.scheduler import Request as Job
+from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
 from cactus_spec.server.metrics import prometheus_text
 from cactus_spec.server.protocol import (
     APIError,
@@ -30,7 +30,7 @@ from cactus_spec.server.protocol import (
     CompletionRequest,
     SamplingFields,
     parse,
-    speculative_choice,
+    speculative_spec,
 )
 
 #: max_tokens when a request gives none.
@@ -52,11 +52,11 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     handler = _Handler(scheduler, config)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
+    async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable):
+    async def check_key(request: HTTPRequest, call_next: Callable):
         if config.api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
@@ -78,19 +78,19 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: HTTPRequest):
         body = parse(CompletionRequest, await _json(request))
         return await handler.run(request, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: HTTPRequest):
         body = parse(ChatCompletionRequest, await _json(request))
         return await handler.run(request, body, chat=True)
 
     return app
 
 
-async def _json(request: Request) -> object:
+async def _json(request: HTTPRequest) -> object:
     try:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as err:
@@ -98,15 +98,15 @@ async def _json(request: Request) -> object:
 
 
 class _Handler:
-    """Turns a checked request body into a scheduler job and its answer."""
+    """Turns a checked request body into a scheduler request and its answer."""
 
     def __init__(self, scheduler: Scheduler, config: ServerConfig) -> None:
         self.scheduler = scheduler
-        self.decoder = scheduler.decoder
+        self.engine = scheduler.engine
         self.config = config
 
-    def job(self, body: SamplingFields, chat: bool) -> Job:
-        """The scheduler job of ``body``: every field checked, 400 naming the bad one."""
+    def request(self, body: SamplingFields, chat: bool) -> Request:
+        """The scheduler request of ``body``: every field checked, 400 naming the bad one."""
         if body.model != self.config.model_id:
             raise APIError(
                 404,
@@ -124,15 +124,22 @@ class _Handler:
             )
         except ValueError as err:
             raise APIError(400, str(err)) from None
-        rule, k = speculative_choice(body.speculative, self.decoder.rule)
+        spec = speculative_spec(body.speculative, self.engine.spec)
+        if spec.drafts and not self.engine.spec.drafts:
+            raise APIError(
+                400,
+                f"speculative.method: this server decodes by {self.engine.spec.method} and has "
+                "no drafter, so only method ar is served",
+                "speculative",
+            )
         max_tokens = self._max_tokens(body, chat)
         prompt_ids = self._prompt_ids(body, chat)
         try:
-            self.decoder.check_context(len(prompt_ids), max_tokens)
+            self.engine.check_context(len(prompt_ids), max_tokens, spec)
         except ValueError as err:
             raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
         seed = body.seed if body.seed is not None else secrets.randbits(63)
-        return Job(prompt_ids, max_tokens, sampling, seed, rule, k, body.stops())
+        return Request(prompt_ids, max_tokens, sampling, seed, spec, body.stops())
 
     def _max_tokens(self, body: SamplingFields, chat: bool) -> int:
         given = body.max_completion_tokens if chat else None
@@ -142,43 +149,42 @@ class _Handler:
         try:
             if chat:
                 messages = [m.as_template_message() for m in body.messages]
-                return self.decoder.encode_chat(messages)
-            return self.decoder.encode(body.prompt_value(), chat=False)
+                return self.engine.encode_chat(messages)
+            return self.engine.encode(body.prompt_value(), chat=False)
         except ValueError as err:
             param = "messages" if chat else "prompt"
             raise APIError(400, f"{param}: {err}", param) from None
 
-    async def run(self, request: Request, body: SamplingFields, chat: bool):
-        job = self.job(body, chat)
+    async def run(self, request: HTTPRequest, body: SamplingFields, chat: bool):
+        pending = self.request(body, chat)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def send(kind: str) -> Callable:
             return lambda value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        job.on_text, job.on_done, job.on_error = send("text"), send("done"), send("error")
-        if not body.stream:
-            job.on_text = None
+        pending.on_text = send("text") if body.stream else None
+        pending.on_done, pending.on_error = send("done"), send("error")
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(pending)
         except QueueFullError as err:
             raise APIError(429, f"{err}; retry later", code="queue_full") from None
-        answer = _Answer(self.config.model_id, chat, len(job.prompt_ids))
+        answer = _Answer(self.config.model_id, chat, len(pending.prompt_ids))
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(job, events, answer, usage), media_type="text/event-stream"
+                self._stream(pending, events, answer, usage), media_type="text/event-stream"
             )
-        return await self._whole(request, job, events, answer)
+        return await self._whole(request, pending, events, answer)
 
-    async def _whole(self, request: Request, job: Job, events: asyncio.Queue, answer):
-        """Wait for the result, cancelling the job if the client goes away."""
+    async def _whole(self, request: HTTPRequest, pending: Request, events: asyncio.Queue, answer):
+        """Wait for the result, cancelling it if the client goes away."""
         while True:
             try:
                 kind, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    self.scheduler.cancel(job)
+                    self.scheduler.cancel(pending)
                     return JSONResponse({}, status_code=499)
                 continue
             if kind == "error":
@@ -187,7 +193,7 @@ class _Handler:
                 return answer.whole(value)
 
     async def _stream(
-        self, job: Job, events: asyncio.Queue, answer, usage: bool
+        self, pending: Request, events: asyncio.Queue, answer, usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece of text, the finish, usage, [DONE]."""
         finished = False
@@ -216,7 +222,7 @@ class _Handler:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
-                self.scheduler.cancel(job)
+                self.scheduler.cancel(pending)
 
 
 def _sse(payload: dict) -> str:

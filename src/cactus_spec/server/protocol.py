@@ -1,8 +1,8 @@
 """The OpenAI request bodies the server accepts, their checks, and the error shape.
 
 Fields follow OpenAI's completions and chat completions; ``top_k`` and ``speculative`` are
-extensions. ``speculative`` picks the method per request and is checked by the same registry
-as the command line (``methods``)::
+extensions. ``speculative`` picks the method per request and is read by the same parser as
+the command line (``core.spec.parse_spec``)::
 
     "speculative": {"method": "cactus", "delta": 1.0, "exact": false, "num_draft_tokens": 8}
 
@@ -16,9 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cactus_spec.core.methods import build_rule, get_method
-from cactus_spec.core.rules import Rule
 from cactus_spec.core.sampling import MAX_SEED
+from cactus_spec.core.spec import DecodeSpec, parse_spec
 
 #: Largest K a request may ask for.
 MAX_DRAFT_TOKENS = 32
@@ -123,51 +122,27 @@ def parse(model: type[BaseModel], data: object) -> Any:
         raise APIError(400, f"{where}: {first['msg']}", field) from None
 
 
-def speculative_choice(
-    options: dict[str, Any] | None, default_rule: Rule | None
-) -> tuple[Rule | None, int | None]:
-    """The rule (None: autoregressive) and K (None: the server's policy) of a request's
-    ``speculative`` object, checked against the method registry."""
+def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> DecodeSpec:
+    """The spec of a request's ``speculative`` object over the server's ``base`` (its method
+    and K; K None leaves it to the server's policy), read by ``core.spec.parse_spec``: a
+    400 naming the bad key. The drafter is the server's; K is at most ``MAX_DRAFT_TOKENS``."""
     if options is None:
-        return default_rule, None
-    given = dict(options)
-    method = given.pop("method", None)
-    k = given.pop("num_draft_tokens", None)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-        raise APIError(400, "speculative.num_draft_tokens must be an integer", _K_PARAM)
-    if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise APIError(
-            400, f"speculative.num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]", _K_PARAM
-        )
-    if method is None:
-        if given:
-            raise APIError(400, "speculative.method is required with method parameters")
-        return default_rule, k
+        return base
+    if "drafter" in options:
+        message = "speculative.drafter: the drafter is the server's (--drafter)"
+        raise APIError(400, message, "speculative.drafter")
+    k = options.get("num_draft_tokens")
+    if _is_int(k) and not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise APIError(400, f"{_K} must be in [1, {MAX_DRAFT_TOKENS}], got {k}", _K)
     try:
-        spec = get_method(str(method))
-        _check_types(spec, given)
-        rule = build_rule(spec.name, given)
+        return parse_spec(options, base=base)
     except ValueError as err:
-        raise APIError(400, f"speculative: {err}", "speculative") from None
-    if rule is None and k is not None:
-        raise APIError(400, "speculative.num_draft_tokens does not apply to method ar", _K_PARAM)
-    return rule, k
+        param = _K if str(err).startswith("num_draft_tokens") else "speculative"
+        raise APIError(400, f"speculative: {err}", param) from None
 
 
-_K_PARAM = "speculative.num_draft_tokens"
+_K = "speculative.num_draft_tokens"
 
 
-def _check_types(spec, given: dict[str, Any]) -> None:
-    """A parameter's value has its default's type (an int is a float here)."""
-    for name, value in given.items():
-        default = spec.defaults.get(name)
-        if default is None:
-            continue  # build_rule names the methods that take it
-        wanted = type(default)
-        numbers = (int, float) if wanted is float else int
-        if wanted is bool:
-            ok = isinstance(value, bool)
-        else:
-            ok = not isinstance(value, bool) and isinstance(value, numbers)
-        if not ok:
-            raise ValueError(f"{name} must be a {wanted.__name__}, got {value!r}")
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

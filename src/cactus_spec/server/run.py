@@ -1,4 +1,4 @@
-"""Starting the server: the decoder, its scheduler and policy, and uvicorn."""
+"""Starting the server: the engine's scheduler and policy, and uvicorn on a thread."""
 
 from __future__ import annotations
 
@@ -8,29 +8,23 @@ import threading
 import time
 
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.policy import calibrated_policy
+from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import Scheduler
-
-#: ``--policy`` values: auto picks K per iteration from measured costs; fixed always drafts
-#: the decoder's K (a request's own num_draft_tokens wins either way).
-POLICIES = ("auto", "fixed")
 
 
 def start_scheduler(
-    decoder: SpeculativeDecoder, policy: str = "auto", max_queue: int = 64
+    engine: SpeculativeDecoder, policy: str = "auto", max_queue: int = 64
 ) -> Scheduler:
-    """A started scheduler over ``decoder``; ``policy`` auto times the models first."""
+    """A started scheduler over ``engine``; ``policy`` auto times the models first."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}")
     chosen = None
-    if policy == "auto" and decoder.drafter is not None:
+    if policy == "auto" and engine.spec.drafts:
         print("timing the models for the speculation policy …", file=sys.stderr)
-        chosen = calibrated_policy(
-            decoder.target_backend, decoder.drafter, decoder.num_draft_tokens
-        )
-    scheduler = Scheduler(decoder, max_queue, chosen)
+        chosen = engine.calibrated_policy()
+    scheduler = Scheduler(engine, max_queue, chosen)
     scheduler.start()
     return scheduler
 

@@ -25,8 +25,8 @@ each group's sums exact in int32 (AVX512-VNNI, plain C++ elsewhere; see int4_lin
 half the weight bytes of int8, for the one-row draft step.
 
 ``bf16_linear(x, packed, bias)``: y = x W^T + b in bfloat16 (``pack_bf16`` of w [N, K]), the
-sums in float32 on AMX tiles (``has_amx()``; see bf16_linear.cpp): a third faster than
-oneDNN's bfloat16 products at one row on this project's Xeon, and as fast at 11 rows.
+sums in float32 on AMX tiles (``has_amx()``), else on AVX512-BF16 (see bf16_linear.cpp),
+streaming the weight faster than oneDNN's bfloat16 products at one row.
 
 ``int8_block(...)``, ``int4_block(...)``, ``bf16_block(...)``: a whole Qwen2/Llama decoder
 block of such layers over the lean KV cache in one call (``backends.native_block``), since a

@@ -1,5 +1,5 @@
 // One decoder block (Qwen2/Llama: RMSNorm, rotary embeddings, grouped-query attention,
-// SwiGLU) of native int8 or bfloat16 layers in a single call, the same computation as
+// SwiGLU) of native int8, int4 or bfloat16 layers in a single call, the same computation as
 // cactus_spec.backends.lean's Block over a KVCache, for the decode regime where a Python
 // block spends more time in ~40 small tensor operations than in its products:
 //

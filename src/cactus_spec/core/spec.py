@@ -1,0 +1,217 @@
+"""The decoding spec: the method that decodes (with its parameters), K and the drafter.
+
+``DecodeSpec`` is the one description of how to decode that every interface builds: the
+command line from its flags, the server from a request's ``speculative`` object, lm-eval from
+its model args, and the bench from a grid entry. They all go through ``parse_spec``, so a
+value is converted, checked and its error worded in one place:
+
+- ``method``: a name in ``methods.METHODS``; ``ar`` decodes the verifier alone (it drafts
+  nothing: K and the drafter do not apply to it).
+- the method's parameters (``delta``, ``exact``, ...): the type of their registry default,
+  in the rule's range.
+- ``num_draft_tokens`` (K): the tokens drafted per iteration, an integer >= 1, or None where
+  a serving policy picks K each iteration (``runtime.policy``).
+- ``drafter``: where drafts come from, one of ``DRAFTERS``.
+
+Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
+or lm-eval's model args ("0.5", "true").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from cactus_spec.core.methods import (
+    DEFAULT_METHOD,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    METHODS,
+    ParamValue,
+    build_rule,
+    get_method,
+    methods_taking,
+)
+from cactus_spec.core.rules import Rule
+
+#: Where drafts come from: a small draft model, or n-gram lookup in the context.
+DRAFTERS = ("model", "ngram")
+#: Every key a spec mapping may hold: the spec's own and every method parameter.
+SPEC_KEYS = (
+    "method",
+    "num_draft_tokens",
+    "drafter",
+    *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
+)
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
+    filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it) and
+    ``drafter`` (None for ``ar``). Build one with ``parse_spec`` or ``DecodeSpec.of``."""
+
+    method: str = DEFAULT_METHOD
+    params: tuple[tuple[str, ParamValue], ...] = field(
+        default_factory=lambda: tuple(sorted(METHODS[DEFAULT_METHOD].defaults.items()))
+    )
+    num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS
+    drafter: str | None = "model"
+
+    def __post_init__(self) -> None:
+        names = sorted(get_method(self.method).defaults)
+        if [name for name, _ in self.params] != names:
+            raise ValueError(f"params of {self.method} must be {names} in order, got {self.params}")
+
+    @classmethod
+    def of(cls, method: str = DEFAULT_METHOD, **values: object) -> DecodeSpec:
+        """``DecodeSpec.of("cactus", delta=0.5, num_draft_tokens=4)``, checked."""
+        return parse_spec({"method": method, **values})
+
+    @property
+    def drafts(self) -> bool:
+        """Whether anything is drafted (every method but ``ar``)."""
+        return METHODS[self.method].drafts
+
+    @cached_property
+    def rule(self) -> Rule | None:
+        """The acceptance rule; None for ``ar``."""
+        return build_rule(self.method, dict(self.params))
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output law is the verifier's (``ar`` and ``sps``)."""
+        return self.rule is None or self.rule.lossless
+
+    def with_num_draft_tokens(self, k: int | None) -> DecodeSpec:
+        """This spec with K replaced (checked as ``parse_spec`` checks it)."""
+        return parse_spec({"num_draft_tokens": k}, base=self) if k is not None else _no_k(self)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: method, params, num_draft_tokens, drafter."""
+        return {
+            "method": self.method,
+            "params": dict(self.params),
+            "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter,
+        }
+
+
+def _no_k(spec: DecodeSpec) -> DecodeSpec:
+    if not spec.drafts:
+        return spec
+    return DecodeSpec(spec.method, spec.params, None, spec.drafter)
+
+
+def parse_spec(
+    values: Mapping[str, object],
+    *,
+    base: DecodeSpec | None = None,
+    text: bool = False,
+    label: Callable[[str], str] = str,
+) -> DecodeSpec:
+    """The spec ``values`` describes, over ``base`` (default: ``DecodeSpec()``).
+
+    Keys are ``SPEC_KEYS``; a None value counts as not given. Without ``method`` the base's
+    method is kept, and then no method parameter may be given (a parameter is read only
+    against the method it is given with). A parameter the method does not take, K or the
+    drafter given to ``ar``, a value of the wrong type or out of range: ValueError naming
+    the key and what it allows. ``text``: values may be text to convert ("0.5", "true").
+    ``label`` names a key in messages (the command line: ``--num-draft-tokens``).
+    """
+    base = DecodeSpec() if base is None else base
+    given = {k: v for k, v in values.items() if v is not None}
+    unknown = [k for k in given if k not in SPEC_KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; the spec takes {', '.join(SPEC_KEYS)}")
+    params = {k: v for k, v in given.items() if k not in ("method", "num_draft_tokens", "drafter")}
+    if "method" not in given and params:
+        names = ", ".join(label(name) for name in params)
+        raise ValueError(f"{label('method')} is required with method parameters ({names})")
+    method = _convert(label("method"), given.get("method", base.method), "", text)
+    spec = get_method(method)
+    where = f"{label('method')} {method}"
+    for name in params:
+        if name not in spec.defaults:
+            takers = ", ".join(methods_taking(name)) or "no method"
+            raise ValueError(f"{label(name)} does not apply to {where} (it applies to {takers})")
+    if not spec.drafts:
+        for name in ("num_draft_tokens", "drafter"):
+            if name in given:
+                raise ValueError(f"{label(name)} does not apply to {where} (it drafts nothing)")
+        return DecodeSpec(method, (), 0, None)
+    defaults = spec.defaults if "method" in given else dict(base.params)
+    typed = {
+        name: _convert(label(name), params[name], default, text) if name in params else default
+        for name, default in sorted(defaults.items())
+    }
+    build_rule(method, typed)  # the rule checks its ranges
+    k = given.get("num_draft_tokens")
+    drafter = given.get("drafter")
+    return DecodeSpec(
+        method,
+        tuple(typed.items()),
+        _num_draft_tokens(k, text, label) if k is not None else _base_k(base),
+        _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
+    )
+
+
+def _base_k(base: DecodeSpec) -> int | None:
+    """K when none is given: the base's, or the default over a base that drafts nothing."""
+    return base.num_draft_tokens if base.drafts else DEFAULT_NUM_DRAFT_TOKENS
+
+
+def _num_draft_tokens(value: object, text: bool, label: Callable[[str], str]) -> int:
+    k = _convert(label("num_draft_tokens"), value, 0, text)
+    if k < 1:
+        raise ValueError(f"{label('num_draft_tokens')} must be an integer >= 1, got {value!r}")
+    return k
+
+
+def _drafter(value: object, text: bool, label: Callable[[str], str]) -> str:
+    drafter = _convert(label("drafter"), value, "", text)
+    if drafter not in DRAFTERS:
+        allowed = ", ".join(DRAFTERS)
+        raise ValueError(f"{label('drafter')} must be one of {allowed}, got {value!r}")
+    return drafter
+
+
+def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> object:
+    """``value`` in the type of ``like`` (bool, int, float or str): exactly that type, an
+    int for a float, or with ``text`` its text form; ValueError naming ``name`` otherwise."""
+    kind = type(like)
+    if text and isinstance(value, str) and kind is not str:
+        value = _from_text(value.strip(), kind)
+    if kind is str:
+        ok = isinstance(value, str)
+    elif kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = _is_int(value) or (text and isinstance(value, float) and value.is_integer())
+        value = int(value) if ok else value
+    else:
+        ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+        value = float(value) if ok else value
+    if not ok:
+        raise ValueError(f"{name} must be {_KINDS[kind]}, got {value!r}")
+    return value
+
+
+def _from_text(text: str, kind: type) -> object:
+    """Text as ``kind``; the text itself when it does not read as one (the caller refuses)."""
+    if kind is bool:
+        lowered = text.lower()
+        return lowered in _TRUE if lowered in _TRUE + _FALSE else text
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        return text
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

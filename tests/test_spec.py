@@ -1,0 +1,93 @@
+"""The decoding spec and its one parser: every interface's method flags go through here."""
+
+from __future__ import annotations
+
+import pytest
+
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
+from cactus_spec.core.rules import TAS, Cactus, SpS
+from cactus_spec.core.spec import DRAFTERS, SPEC_KEYS, DecodeSpec, parse_spec
+
+
+def test_default_spec_is_the_registry_default_method_with_its_defaults():
+    spec = DecodeSpec()
+    assert spec.method == "cactus"
+    assert dict(spec.params) == METHODS["cactus"].defaults
+    assert spec.rule == Cactus(1.0)
+    assert spec.num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS and spec.drafter == "model"
+
+
+def test_ar_is_a_method_that_drafts_nothing():
+    spec = DecodeSpec.of("ar")
+    assert spec.rule is None and not spec.drafts and spec.lossless
+    assert spec.num_draft_tokens == 0 and spec.drafter is None
+
+
+def test_parameters_fill_defaults_and_build_the_rule():
+    spec = DecodeSpec.of("cactus", delta=0.5, num_draft_tokens=4, drafter="ngram")
+    assert spec.rule == Cactus(0.5, exact=False)
+    assert spec.params == (("delta", 0.5), ("exact", False))
+    assert (spec.num_draft_tokens, spec.drafter) == (4, "ngram")
+    assert DecodeSpec.of("tas").rule == TAS()
+    assert DecodeSpec.of("sps").rule == SpS() and DecodeSpec.of("sps").lossless
+
+
+def test_text_values_are_converted_only_when_asked():
+    values = {"method": "cactus", "delta": "0.5", "exact": "true", "num_draft_tokens": "3"}
+    spec = parse_spec(values, text=True)
+    assert spec.rule == Cactus(0.5, exact=True) and spec.num_draft_tokens == 3
+    with pytest.raises(ValueError, match="delta must be a number, got '0.5'"):
+        parse_spec(values)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"method": "nope"}, "method must be one of ar, sps, cactus"),
+        ({"method": "sps", "delta": 1.0}, "delta does not apply to method sps"),
+        ({"method": "ar", "num_draft_tokens": 4}, "num_draft_tokens does not apply to method ar"),
+        ({"method": "ar", "drafter": "ngram"}, "drafter does not apply to method ar"),
+        ({"method": "cactus", "delta": -1.0}, "delta"),
+        ({"method": "cactus", "delta": True}, "delta must be a number, got True"),
+        ({"method": "cactus", "exact": 1}, "exact must be true or false, got 1"),
+        ({"method": "topk", "k": 2.5}, "k must be an integer, got 2.5"),
+        ({"method": "cactus", "delta": float("nan")}, "delta must be a number"),
+        ({"num_draft_tokens": 0}, "num_draft_tokens must be an integer >= 1, got 0"),
+        ({"num_draft_tokens": True}, "num_draft_tokens must be an integer, got True"),
+        ({"drafter": "eagle"}, f"drafter must be one of {', '.join(DRAFTERS)}, got 'eagle'"),
+        ({"delta": 0.5}, "method is required with method parameters"),
+        ({"temperature": 0.5}, "unknown key 'temperature'"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_it_allows(values, message):
+    with pytest.raises(ValueError, match=message):
+        parse_spec(values)
+
+
+def test_a_base_keeps_its_method_and_k_when_they_are_not_given():
+    base = DecodeSpec.of("tas", epsilon=0.2, drafter="ngram").with_num_draft_tokens(None)
+    assert base.num_draft_tokens is None  # a serving policy picks K
+    assert parse_spec({}, base=base) == base
+    k4 = parse_spec({"num_draft_tokens": 4}, base=base)
+    assert k4.rule == TAS(0.2) and k4.num_draft_tokens == 4 and k4.drafter == "ngram"
+    other = parse_spec({"method": "cactus"}, base=base)
+    assert other.rule == Cactus(1.0) and other.num_draft_tokens is None
+    assert parse_spec({"method": "sps"}, base=DecodeSpec.of("ar")).num_draft_tokens == (
+        DEFAULT_NUM_DRAFT_TOKENS
+    )
+
+
+def test_none_values_count_as_not_given():
+    assert parse_spec({"method": "sps", "num_draft_tokens": None, "delta": None}) == (
+        DecodeSpec.of("sps")
+    )
+
+
+def test_spec_keys_hold_every_registry_parameter():
+    params = {p.name for m in METHODS.values() for p in m.params}
+    assert {"method", "num_draft_tokens", "drafter"} | params == set(SPEC_KEYS)
+
+
+def test_a_spec_built_by_hand_must_list_its_method_parameters():
+    with pytest.raises(ValueError, match="params of cactus"):
+        DecodeSpec("cactus", (("delta", 1.0),))
