@@ -193,7 +193,7 @@ def served(args, max_batch: int, log: Path):
     """``cactus-spec serve`` in its own process (policy auto), until it answers /health."""
     port = _free_port()
     command = [
-        sys.executable, "-m", "cactus_spec", "serve", "--target", args.target,
+        sys.executable, "-m", "cactus_spec", "serve", "--verifier", args.verifier,
         "--draft", args.draft, "--verifier-quant", args.verifier_quant,
         "--num-draft-tokens", str(args.max_k), "--max-batch", str(max_batch),
         "--max-queue", "256", "--port", str(port), "--served-model-name", "bench",
@@ -224,7 +224,7 @@ def _free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=DEFAULT_PAIR[0])
+    parser.add_argument("--verifier", default=DEFAULT_PAIR[0])
     parser.add_argument("--draft", default=DEFAULT_PAIR[1])
     parser.add_argument("--verifier-quant", default="none", choices=["none", "int8"])
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -242,7 +242,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     settings = {
-        "target": args.target,
+        "verifier": args.verifier,
         "draft": args.draft,
         "verifier_quant": args.verifier_quant,
         "max_tokens": args.max_tokens,

@@ -176,7 +176,7 @@ def test_a_corrupted_known_gguf_is_refused_with_a_repair_hint(cache_copy, capsys
     _flip_middle(cache_copy / "gguf" / f"{SMOL}.gguf")
     with pytest.raises(CorruptModelError, match=f"repair it: cactus-spec models fetch {SMOL}"):
         load_model(SMOL)
-    argv = ["generate", "Say hi", "--target", SMOL, "--draft", SMOL, "--max-new-tokens", "8"]
+    argv = ["generate", "Say hi", "--verifier", SMOL, "--draft", SMOL, "--max-new-tokens", "8"]
     assert main([*argv, "--seed", "1"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("error: ") and "does not match the pinned sha256" in last

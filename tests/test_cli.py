@@ -39,7 +39,7 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--temperature", "-0.5"], "temperature must be >= 0"),
         (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        (["--target", "/nonexistent/model.gguf"], "cactus-spec models fetch"),
+        (["--verifier", "/nonexistent/model.gguf"], "cactus-spec models fetch"),
         (["--threads", "0"], "threads must be an integer >= 1, got 0"),
         (["--threads", "-1"], "threads must be an integer >= 1, got -1"),
         (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),
@@ -70,7 +70,7 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
     ],
 )
 def test_bad_serve_input_is_one_line_and_exit_2_before_loading(argv, message, capsys) -> None:
-    assert main(["serve", "--target", "/nonexistent/model.gguf", *argv]) == 2
+    assert main(["serve", "--verifier", "/nonexistent/model.gguf", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
@@ -104,14 +104,14 @@ def test_cuda_device_without_cuda_is_refused(capsys) -> None:
 
 @pytest.mark.parametrize("flag", ["--max-new-tokens", "--num-draft-tokens"])
 def test_demo_checks_counts_before_loading(flag: str, capsys) -> None:
-    assert main(["demo", flag, "0", "--target", "/no/such.gguf"]) == 2
+    assert main(["demo", flag, "0", "--verifier", "/no/such.gguf"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err  # nothing loaded first
     assert f"{flag} must be >= 1, got 0" in err
 
 
 def test_demo_names_the_models_it_loads(capsys) -> None:
-    assert main(["demo", "--target", "/no/such.gguf", "--draft", "/no/draft.gguf"]) == 2
+    assert main(["demo", "--verifier", "/no/such.gguf", "--draft", "/no/draft.gguf"]) == 2
     err = capsys.readouterr().err
     assert "default pair" not in err and "/no/such.gguf (verifier)" in err
 
@@ -119,7 +119,7 @@ def test_demo_names_the_models_it_loads(capsys) -> None:
 def test_bench_out_below_a_regular_file_is_refused_before_loading(tmp_path, capsys) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    argv = ["bench", "--quick", "--out", str(blocker / "run"), "--target", "/no/such.gguf"]
+    argv = ["bench", "--quick", "--out", str(blocker / "run"), "--verifier", "/no/such.gguf"]
     assert main(argv) == 2
     assert f"{blocker} is a file, not a directory" in one_line_error(capsys)
 
@@ -130,7 +130,7 @@ def test_bench_out_in_an_unwritable_place_is_refused(tmp_path, capsys) -> None:
     locked.chmod(0o555)
     # root writes through file permissions: then use a place no one can write in
     out = locked / "run" if not _writes_anyway(locked) else Path("/proc/cactus-spec-run")
-    assert main(["bench", "--quick", "--out", str(out), "--target", "/no/such.gguf"]) == 2
+    assert main(["bench", "--quick", "--out", str(out), "--verifier", "/no/such.gguf"]) == 2
     assert "cannot write in" in one_line_error(capsys)
 
 
@@ -150,7 +150,7 @@ def test_bench_bad_token_ids_name_file_and_line_and_write_nothing(tmp_path, caps
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": [1, 2, 3]}) + "\n" + json.dumps({"prompt": [4, 999]}))
     out = tmp_path / "run"
-    argv = ["bench", "--prompts", str(prompts), "--target", str(model_dir), "--method", "ar"]
+    argv = ["bench", "--prompts", str(prompts), "--verifier", str(model_dir), "--method", "ar"]
     assert main([*argv, "--out", str(out), "--no-progress", "--max-new-tokens", "4"]) == 2
     err = one_line_error(capsys)
     assert f"{prompts}:2: prompt token ids must lie in [0, 128)" in err

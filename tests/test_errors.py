@@ -138,10 +138,10 @@ def test_generate_takes_the_largest_seed(decoder) -> None:
     assert len(decoder.generate([1, 2, 3], 2, seed=2**64 - 1).token_ids) == 2
 
 
-@pytest.mark.parametrize(("target", "kind"), [(None, "NoneType"), (3, "int")])
-def test_decoder_refuses_a_target_that_is_no_model(target, kind: str) -> None:
-    with pytest.raises(TypeError, match=f"target must be a model name, path.*got {kind}"):
-        SpeculativeDecoder(target, spec=AR)
+@pytest.mark.parametrize(("verifier", "kind"), [(None, "NoneType"), (3, "int")])
+def test_decoder_refuses_a_verifier_that_is_no_model(verifier, kind: str) -> None:
+    with pytest.raises(TypeError, match=f"verifier must be a model name, path.*got {kind}"):
+        SpeculativeDecoder(verifier, spec=AR)
 
 
 def test_decoder_refuses_a_spec_that_is_no_spec() -> None:

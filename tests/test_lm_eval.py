@@ -70,7 +70,9 @@ def smollm() -> LoadedModel:
 def sps_lm(smollm: LoadedModel):
     from cactus_spec.lm_eval.model import CactusSpecLM
 
-    return CactusSpecLM(target=smollm, draft=smollm, method="sps", num_draft_tokens=3, max_batch=3)
+    return CactusSpecLM(
+        verifier=smollm, draft=smollm, method="sps", num_draft_tokens=3, max_batch=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ def test_the_command_line_runs_ar_by_name_and_agrees(
 ) -> None:
     from cactus_spec.cli import main  # `cactus-spec lm-eval ...`
 
-    args = "target=smollm2-135m,method=ar,dtype=float32,max_batch=2,seed=7"
+    args = "verifier=smollm2-135m,method=ar,dtype=float32,max_batch=2,seed=7"
     status = main(
         ["lm-eval", "run", "--model", "cactus-spec", "--model_args", args, "--tasks", GEN]
         + ["--include_path", str(DATA), "--device", "cpu", "--output_path", str(tmp_path)]
@@ -212,7 +214,7 @@ def test_rolling_loglikelihood_in_windows(
     prefix = sps_lm.prefix_token_id
     (whole,) = sps_lm.loglikelihood_rolling([request], disable_tqdm=True)
     assert whole == pytest.approx(forward_logprob(smollm.model, [prefix], tokens)[0], abs=1e-3)
-    small = CactusSpecLM(target=smollm, method="ar", max_batch=2, max_length=8)
+    small = CactusSpecLM(verifier=smollm, method="ar", max_batch=2, max_length=8)
     (windowed,) = small.loglikelihood_rolling([request], disable_tqdm=True)
     pairs = map(make_disjoint_window, get_rolling_token_windows(tokens, prefix, 8, 1))
     want = sum(forward_logprob(smollm.model, ctx, cont)[0] for ctx, cont in pairs)
@@ -241,5 +243,5 @@ def test_a_bad_model_arg_is_one_line_naming_it(args: str, named: str) -> None:
     from cactus_spec.lm_eval.model import CactusSpecLM
 
     with pytest.raises(ValueError, match=named) as caught:
-        CactusSpecLM.create_from_arg_string(f"target=nowhere/at-all,{args}")
+        CactusSpecLM.create_from_arg_string(f"verifier=nowhere/at-all,{args}")
     assert "\n" not in str(caught.value)

@@ -84,7 +84,7 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
     argv = [
         "generate",
         "Say hello.",
-        "--target",
+        "--verifier",
         path,
         "--draft",
         path,
@@ -110,7 +110,7 @@ def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
     path = str(fetch("smollm2-135m"))
     argv = [
         "demo",
-        "--target",
+        "--verifier",
         path,
         "--draft",
         path,
@@ -169,7 +169,7 @@ def test_int8_verifier_reports_its_measured_divergence(
 
     monkeypatch.setattr(divergence, "cache_dir", lambda: tmp_path)
     path = str(fetch("smollm2-135m"))
-    argv = ["generate", "Say hello.", "--target", path, "--method", "ar", "--max-new-tokens", "4"]
+    argv = ["generate", "Say hello.", "--verifier", path, "--method", "ar", "--max-new-tokens", "4"]
     argv += ["--verifier-quant", "int8", "--json"]
     assert main(argv) == 0
     first = capsys.readouterr()

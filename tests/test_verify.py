@@ -152,7 +152,7 @@ def test_low_precision_inputs_match_float32_math(dtype: torch.dtype) -> None:
 def test_nan_target_is_refused_not_sampled() -> None:
     ids, target, draft = random_chains(35)
     target[2, 1, 7] = float("nan")
-    with pytest.raises(ValueError, match="target_probs contains NaN"):
+    with pytest.raises(ValueError, match="verifier_probs contains NaN"):
         verify(ids, target, SpS(), draft)
 
 
@@ -170,15 +170,15 @@ def bad_inputs():
         ("int32_ids", (ids.int(), target, draft), "draft_ids must be an int64"),
         ("1d_ids", (ids[0], target, draft), "draft_ids must be an int64 tensor of shape"),
         ("no_drafts", (ids[:, :0], target[:, :1], None), "K >= 1"),
-        ("target_rows", (ids, target[:, :-1], draft), r"target_probs must have shape \[6, 5, V\]"),
+        ("q_rows", (ids, target[:, :-1], draft), r"verifier_probs must have shape \[6, 5, V\]"),
         ("draft_rows", (ids, target, draft[:, :-1]), r"draft_probs must have shape \[6, 4, V\]"),
         ("vocab", (ids, target, draft[..., :40]), "draft_probs has vocabulary 40"),
-        ("int_probs", (ids, target.long(), draft), "target_probs dtype"),
+        ("int_probs", (ids, target.long(), draft), "verifier_probs dtype"),
         ("negative", (ids, neg, draft), "negative probability"),
         ("sum", (ids, unnormalised, draft), "sum to 1"),
         ("vocab_range", (out_of_vocab, target, draft), r"draft_ids must lie in \[0, 50\)"),
         ("zero_draft_prob", (ids, target, zero_draft), "probability 0 to a drafted token"),
-        ("device", (ids, target.to("meta"), draft), "target_probs is on meta"),
+        ("device", (ids, target.to("meta"), draft), "verifier_probs is on meta"),
     ]
 
 

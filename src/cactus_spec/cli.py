@@ -151,7 +151,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
     )
-    p.add_argument("--served-model-name", help="model id in the API (default: --target)")
+    p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("CACTUS_SPEC_API_KEY"),
@@ -161,7 +161,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="verifier: known name, hub id, model dir or .gguf")
+    p.add_argument("--verifier", help="verifier: known name, hub id, model dir or .gguf")
     p.add_argument("--draft", help="draft model: known name, hub id, model dir or .gguf")
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
@@ -212,13 +212,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    """--target/--draft, else the default pair (known names: loaded only once fetched). A
+    """--verifier/--draft, else the default pair (known names: loaded only once fetched). A
     --draft where nothing is drafted by a model is refused."""
     if args.draft and not needs_draft:
         raise ValueError("--draft does not apply: nothing is drafted by a model (--method ar or "
                          "--drafter ngram)")
-    target = args.target or DEFAULT_PAIR[0]
-    return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
+    verifier = args.verifier or DEFAULT_PAIR[0]
+    return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
 
 def _flag(key: str) -> str:
@@ -257,11 +257,11 @@ def _engine(
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
     needs_draft = spec.drafts and spec.drafter == "model"
-    target, draft = _model_sources(args, needs_draft)
+    verifier, draft = _model_sources(args, needs_draft)
     if announce:
-        stderr.print(f"loading {target} (verifier){f', {draft} (draft)' if draft else ''} …")
+        stderr.print(f"loading {verifier} (verifier){f', {draft} (draft)' if draft else ''} …")
     return SpeculativeDecoder(
-        target,
+        verifier,
         draft,
         spec,
         max_draft_tokens=max_draft_tokens,
@@ -361,11 +361,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _check_counts(args, ("max_new_tokens", "num_draft_tokens"))
     _check_model_args(args)
-    target_src, draft_src = _model_sources(args, needs_draft=True)
-    pair = "the default pair" if (target_src, draft_src) == DEFAULT_PAIR else "the models"
-    stderr.print(f"loading {pair}: {target_src} (verifier), {draft_src} (draft) …")
+    verifier_src, draft_src = _model_sources(args, needs_draft=True)
+    pair = "the default pair" if (verifier_src, draft_src) == DEFAULT_PAIR else "the models"
+    stderr.print(f"loading {pair}: {verifier_src} (verifier), {draft_src} (draft) …")
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
-    target = load_model(target_src, **options, quant=args.verifier_quant)
+    verifier = load_model(verifier_src, **options, quant=args.verifier_quant)
     draft = load_model(draft_src, **options, quant=args.draft_quant)
     k = args.num_draft_tokens
     runs = [
@@ -381,11 +381,11 @@ def run_demo(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column == "method" else "right")
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
     backend = args.backend
-    SpeculativeDecoder(target, draft, runs[1][2], backend=backend).generate(DEMO_PROMPT, 2)
+    SpeculativeDecoder(verifier, draft, runs[1][2], backend=backend).generate(DEMO_PROMPT, 2)
     baseline = None
     for name, draft_model, spec in runs:
         stderr.print(f"running {name} …")
-        decoder = SpeculativeDecoder(target, draft_model, spec, backend=backend)
+        decoder = SpeculativeDecoder(verifier, draft_model, spec, backend=backend)
         result = decoder.generate(DEMO_PROMPT, args.max_new_tokens, seed=0)
         s = result.stats
         baseline = baseline or s.tokens_per_s

@@ -106,10 +106,10 @@ def _sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | No
     """Target and draft sources: the flags, else --quick's SmolLM2 (its own assistant),
     else the default pair (known names load only once fetched and verified)."""
     if args.quick:
-        target = args.target or QUICK_MODEL
-        return target, (args.draft or target) if needs_draft else None
-    target = args.target or DEFAULT_PAIR[0]
-    return target, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
+        verifier = args.verifier or QUICK_MODEL
+        return verifier, (args.draft or verifier) if needs_draft else None
+    verifier = args.verifier or DEFAULT_PAIR[0]
+    return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
 
 def _check_seeds(seed: int, items: int) -> None:
@@ -146,13 +146,13 @@ def main_bench(args: argparse.Namespace) -> int:
     check_load_options(args.dtype, args.device, args.threads)
     out = default_out(args, settings)
     check_writable_dir(out)
-    target_source, draft_source = _sources(args, settings.needs_draft)
-    targets = {quant: _load(target_source, args, quant) for quant in settings.verifiers}
+    verifier_source, draft_source = _sources(args, settings.needs_draft)
+    verifiers = {quant: _load(verifier_source, args, quant) for quant in settings.verifiers}
     draft = None
     if draft_source is not None:
-        same = draft_source == target_source and args.draft_quant in targets
-        draft = targets[args.draft_quant] if same else _load(draft_source, args, args.draft_quant)
-    run_bench(settings, items, targets, draft, out, progress=not args.no_progress)
+        same = draft_source == verifier_source and args.draft_quant in verifiers
+        draft = verifiers[args.draft_quant] if same else _load(draft_source, args, args.draft_quant)
+    run_bench(settings, items, verifiers, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")
     return 0

@@ -35,12 +35,12 @@ def missing_reason() -> str | None:
     return None
 
 
-def gguf_of(target: LoadedModel) -> Path:
+def gguf_of(verifier: LoadedModel) -> Path:
     """The GGUF file the verifier was loaded from; ValueError if it came from elsewhere."""
-    path = Path(target.identity)
+    path = Path(verifier.identity)
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(
-            f"the llama.cpp peers need the verifier as a GGUF file, got {target.identity}"
+            f"the llama.cpp peers need the verifier as a GGUF file, got {verifier.identity}"
         )
     return path
 

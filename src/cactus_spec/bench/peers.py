@@ -84,7 +84,7 @@ def _pad_id(model: PreTrainedModel) -> int | None:
 
 def hf_generate(
     config: Config,
-    target: LoadedModel,
+    verifier: LoadedModel,
     draft: LoadedModel | None,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
@@ -92,7 +92,7 @@ def hf_generate(
     seed: int,
 ) -> PeerResult:
     """Run one ``hf`` or ``hf_assisted`` configuration on one prompt."""
-    model = target.model
+    model = verifier.model
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, L]
     kwargs = _sampling_kwargs(sampling)
     settings: contextlib.AbstractContextManager = contextlib.nullcontext()

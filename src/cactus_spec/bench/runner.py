@@ -56,14 +56,14 @@ from cactus_spec.runtime.generation import GenerationResult
 
 Job = tuple[int, Item, Config]
 #: The verifier in each weight format the grid asks for ("none", "int8"), or one model.
-Targets = LoadedModel | Mapping[str, LoadedModel]
+Verifiers = LoadedModel | Mapping[str, LoadedModel]
 
 
-def as_targets(targets: Targets) -> dict[str, LoadedModel]:
+def as_verifiers(verifiers: Verifiers) -> dict[str, LoadedModel]:
     """``{weight format: verifier}``; a single model stands for its own format."""
-    if isinstance(targets, LoadedModel):
-        return {targets.quant: targets}
-    return dict(targets)
+    if isinstance(verifiers, LoadedModel):
+        return {verifiers.quant: verifiers}
+    return dict(verifiers)
 
 
 #: Items per chunk, in batches of B. Each chunk ends in a tail where fewer and fewer rows
@@ -107,11 +107,11 @@ class BenchSettings:
         """The sampling seed of item ``index``, the same for every configuration."""
         return self.seed + index
 
-    def identity(self, targets: Targets, draft: LoadedModel | None) -> dict:
+    def identity(self, verifiers: Verifiers, draft: LoadedModel | None) -> dict:
         """What results must share to be comparable (see ``store``)."""
-        verifiers = as_targets(targets)
-        target = next(iter(verifiers.values()))
-        model = target.model
+        verifiers = as_verifiers(verifiers)
+        verifier = next(iter(verifiers.values()))
+        model = verifier.model
         task = {"name": self.task.name, "n": self.task.n, "seed": self.task.seed}
         if self.task.path is not None:
             data = Path(self.task.path).read_bytes()
@@ -125,7 +125,7 @@ class BenchSettings:
             "max_new_tokens": self.max_new_tokens,
             "seed": self.seed,
             "models": {
-                "target": model_identity(target),
+                "target": model_identity(verifier),
                 "draft": model_identity(draft),
                 "verifiers": {quant: model_identity(m) for quant, m in verifiers.items()},
             },
@@ -155,38 +155,38 @@ class Runner:
     def __init__(
         self,
         settings: BenchSettings,
-        targets: Targets,
+        verifiers: Verifiers,
         draft: LoadedModel | None,
     ) -> None:
         if settings.needs_draft and draft is None:
             raise ValueError("the grid drafts with a draft model, but none was given")
         self.settings = settings
-        self.targets = as_targets(targets)
-        missing = [quant for quant in settings.verifiers if quant not in self.targets]
+        self.verifiers = as_verifiers(verifiers)
+        missing = [quant for quant in settings.verifiers if quant not in self.verifiers]
         if missing:
             raise ValueError(f"the grid asks for a verifier in {', '.join(missing)} weights")
-        self.target = next(iter(self.targets.values()))  # tokenizer, device, the GGUF
+        self.verifier = next(iter(self.verifiers.values()))  # tokenizer, device, the GGUF
         self.draft = draft
         self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
         self.encoder = next(iter(self.decoders.values()), None) or SpeculativeDecoder(
-            self.target, spec=DecodeSpec.of("ar")
+            self.verifier, spec=DecodeSpec.of("ar")
         )  # prompts are encoded once, by one engine over the verifier's tokenizer
         self.llamacpp = self._llamacpp()
         self._prompt_ids: dict[str, list[int]] = {}
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
-        target = self.targets[config.verifier]
+        verifier = self.verifiers[config.verifier]
         options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
         spec = config.spec
         draft = self.draft if spec.drafts and spec.drafter == "model" else None
-        return SpeculativeDecoder(target, draft, spec, **options)
+        return SpeculativeDecoder(verifier, draft, spec, **options)
 
     def _llamacpp(self) -> LlamaCppPeers | None:
         """llama.cpp contexts over the verifier's GGUF, if the grid has llama.cpp methods."""
         if not any(c.method in LLAMACPP_METHODS for c in self.settings.grid):
             return None
         context = self.encoder.context_length
-        return LlamaCppPeers(gguf_of(self.target), context, torch.get_num_threads())
+        return LlamaCppPeers(gguf_of(self.verifier), context, torch.get_num_threads())
 
     def prompt_ids(self, item: Item) -> list[int]:
         """The item's prompt as ids (chat template applied to text), shared by every method.
@@ -256,7 +256,7 @@ class Runner:
         prompts = [
             Prompt(self.prompt_ids(item), s.max_new_tokens, s.item_seed(i)) for i, item in todo
         ]
-        device = self.target.model.device
+        device = self.verifier.model.device
         memory.reset_peak(device)
 
         def finished(j: int, result) -> None:
@@ -278,7 +278,7 @@ class Runner:
     def run_one(self, index: int, item: Item, config: Config) -> dict:
         """Generate for one item with one configuration and score it."""
         ids = self.prompt_ids(item)
-        device = self.target.model.device
+        device = self.verifier.model.device
         memory.reset_peak(device)
         measured = self._generate(config, ids, self.settings.item_seed(index))
         return self._row(index, item, config, measured, memory.peak_bytes(device))
@@ -316,8 +316,8 @@ class Runner:
         if config.method in LLAMACPP_METHODS:
             peer = self.llamacpp.generate(config, ids, s.max_new_tokens, s.sampling, seed)
         else:
-            target = self.targets[config.verifier]
-            peer = hf_generate(config, target, self.draft, ids, s.max_new_tokens, s.sampling, seed)
+            model = self.verifiers[config.verifier]
+            peer = hf_generate(config, model, self.draft, ids, s.max_new_tokens, s.sampling, seed)
         count = len(peer.token_ids)
         return {
             "new_tokens": count,
@@ -328,7 +328,7 @@ class Runner:
         }
 
     def _decode(self, token_ids: list[int]) -> str | None:
-        tokenizer = self.target.tokenizer
+        tokenizer = self.verifier.tokenizer
         return None if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
@@ -337,15 +337,15 @@ def _engine_measures(result: GenerationResult) -> dict:
     return {**result.stats.as_dict(), "token_ids": result.token_ids, "text": result.text}
 
 
-def verifier_divergences(targets: Targets) -> dict[str, dict | None]:
+def verifier_divergences(verifiers: Verifiers) -> dict[str, dict | None]:
     """The measured KL of each quantised verifier from its bfloat16 original (``divergence``);
     None where it cannot be measured (a model object with no file behind it)."""
     found: dict[str, dict | None] = {}
-    for quant, target in as_targets(targets).items():
+    for quant, verifier in as_verifiers(verifiers).items():
         if quant == "none":
             continue
         try:
-            found[quant] = quant_divergence(target).as_dict()
+            found[quant] = quant_divergence(verifier).as_dict()
         except ValueError:
             found[quant] = None
     return found
@@ -354,25 +354,25 @@ def verifier_divergences(targets: Targets) -> dict[str, dict | None]:
 def run_bench(
     settings: BenchSettings,
     items: Sequence[Item],
-    targets: Targets,
+    verifiers: Verifiers,
     draft: LoadedModel | None,
     out: str | Path,
     progress: bool = True,
 ) -> dict:
     """Run (or resume) a benchmark into ``out`` and write its summaries and plots.
 
-    ``targets``: the verifier, or one per weight format the grid names (``{"none": bf16,
+    ``verifiers``: the verifier, or one per weight format the grid names (``{"none": bf16,
     "int8": int8}``). Returns the summary (also in summary.json). Refuses an ``out`` holding
     another run. Every prompt is encoded and checked first, so bad input writes nothing.
     """
-    identity = settings.identity(targets, draft)
-    runner = Runner(settings, targets, draft)
+    identity = settings.identity(verifiers, draft)
+    runner = Runner(settings, verifiers, draft)
     for item in items:
         runner.prompt_ids(item)
     store = RunDirectory(out, identity)
-    divergences = verifier_divergences(targets)
+    divergences = verifier_divergences(verifiers)
     runner.run(items, store, progress)
-    model = runner.target.model
+    model = runner.verifier.model
     meta = {
         "run": identity,
         "environment": environment(model.device, model.dtype),

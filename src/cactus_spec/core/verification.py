@@ -41,7 +41,7 @@ class VerifyResult:
 
 def verify(
     draft_ids: Tensor,  # [B, K] int64
-    target_probs: Tensor,  # [B, K+1, V]
+    verifier_probs: Tensor,  # [B, K+1, V]
     rule: Rule,
     draft_probs: Tensor | None = None,  # [B, K, V], None = one-hot drafts
     generator: Generators = None,
@@ -59,10 +59,10 @@ def verify(
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be a Rule (SpS(), Cactus(delta), ...), got {_describe(rule)}")
     if validate:
-        check_inputs(draft_ids, target_probs, draft_probs)
+        check_inputs(draft_ids, verifier_probs, draft_probs)
         check_generators(generator, draft_ids.shape[0])
     batch, k = draft_ids.shape
-    q_drafted = target_probs[:, :k].float()  # [B, K, V]
+    q_drafted = verifier_probs[:, :k].float()  # [B, K, V]
     if greedy:
         accepted = draft_ids == q_drafted.argmax(-1)  # [B, K]
     else:
@@ -73,7 +73,7 @@ def verify(
     rows = torch.arange(batch, device=draft_ids.device)
     stop = num_accepted.clamp(max=k - 1)  # [B] position of the first rejection
     q_stop = q_drafted[rows, stop]  # [B, V]
-    bonus = target_probs[:, k].float()  # [B, V]
+    bonus = verifier_probs[:, k].float()  # [B, V]
     rejected = (num_accepted < k).unsqueeze(-1)  # [B, 1]
     if greedy:
         final = torch.where(rejected, q_stop, bonus).argmax(-1)  # [B]
@@ -94,7 +94,7 @@ def _assemble(draft_ids: Tensor, num_accepted: Tensor, final: Tensor) -> Tensor:
     return torch.where(positions == na, final.unsqueeze(-1), tokens)
 
 
-def check_inputs(draft_ids: Tensor, target_probs: Tensor, draft_probs: Tensor | None) -> None:
+def check_inputs(draft_ids: Tensor, verifier_probs: Tensor, draft_probs: Tensor | None) -> None:
     """Raise ValueError naming the offending argument, shape or value."""
     if not isinstance(draft_ids, Tensor) or draft_ids.dim() != 2 or draft_ids.dtype != torch.int64:
         raise ValueError(
@@ -107,12 +107,12 @@ def check_inputs(draft_ids: Tensor, target_probs: Tensor, draft_probs: Tensor | 
         raise ValueError(
             f"draft_ids must hold K >= 1 drafted tokens per row, got shape {tuple(draft_ids.shape)}"
         )
-    _check_probs("target_probs", target_probs, (batch, k + 1), draft_ids.device)
-    vocab = target_probs.shape[-1]
+    _check_probs("verifier_probs", verifier_probs, (batch, k + 1), draft_ids.device)
+    vocab = verifier_probs.shape[-1]
     if draft_probs is not None:
         draft_vocab = draft_probs.shape[-1] if isinstance(draft_probs, Tensor) else vocab
         if draft_vocab != vocab:
-            raise ValueError(f"draft_probs has vocabulary {draft_vocab}, target_probs {vocab}")
+            raise ValueError(f"draft_probs has vocabulary {draft_vocab}, verifier_probs {vocab}")
         _check_probs("draft_probs", draft_probs, (batch, k), draft_ids.device)
     low, high = int(draft_ids.min()), int(draft_ids.max())
     if low < 0 or high >= vocab:

@@ -75,7 +75,7 @@ def spec_args(given: dict[str, Any]) -> dict[str, Any]:
 
 
 _MODEL_ARGS = (
-    "target", "draft", "max_batch", "max_length", "backend", "verifier_quant", "draft_quant",
+    "verifier", "draft", "max_batch", "max_length", "backend", "verifier_quant", "draft_quant",
     "dtype", "threads", "seed",
 )  # fmt: skip
 

@@ -69,7 +69,7 @@ class CactusSpecLM(TemplateLM):
     (speculation never changes the verifier's likelihoods, so they are the method's too).
 
     Model args (lm-eval's ``--model_args key=value,...``; strings are converted, a bad one
-    is a one-line ValueError naming it and its allowed values): ``target`` (default the
+    is a one-line ValueError naming it and its allowed values): ``verifier`` (default the
     default pair's verifier), ``draft`` (default the default pair's draft, when the method
     drafts with a model), ``method`` (``core.methods.METHODS``) and its parameters (delta,
     exact, epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), read by
@@ -79,13 +79,13 @@ class CactusSpecLM(TemplateLM):
     ``draft_quant``, ``dtype``, ``threads``, ``seed`` (request i is decoded with
     ``lm_eval_args.request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu
     when CUDA is absent); its ``batch_size`` and ``max_batch_size`` are ignored
-    (``max_batch`` sets the rows). ``target`` and ``draft`` may also be a ``LoadedModel``
+    (``max_batch`` sets the rows). ``verifier`` and ``draft`` may also be a ``LoadedModel``
     or ``PreTrainedModel``.
     """
 
     def __init__(
         self,
-        target: ModelSource = DEFAULT_PAIR[0],
+        verifier: ModelSource = DEFAULT_PAIR[0],
         draft: ModelSource | None = None,
         method: str = DEFAULT_METHOD,
         num_draft_tokens: int | None = None,
@@ -117,10 +117,10 @@ class CactusSpecLM(TemplateLM):
         device = lm_eval_args.device_for(device)
         check_load_options(dtype, device, threads)
         lm_eval_args.ignore_batch_size(batch_size, max_batch_size)
-        target = lm_eval_args.model_source("target", target)
+        verifier = lm_eval_args.model_source("verifier", verifier)
         draft_source = lm_eval_args.draft_source(draft, spec.drafts and spec.drafter == "model")
         self.engine = SpeculativeDecoder(
-            target,
+            verifier,
             draft_source,
             spec,
             dtype=dtype,
@@ -132,12 +132,12 @@ class CactusSpecLM(TemplateLM):
             max_batch=max_batch,
         )
         if self.engine.tokenizer is None:
-            raise ValueError("target must come with a tokenizer (a name, path or LoadedModel)")
+            raise ValueError("verifier must come with a tokenizer (a name, path or LoadedModel)")
         self.tokenizer = self.engine.tokenizer
         self._max_length = self._check_max_length(max_length)
         self._device = self.engine.device
         self._info = {
-            "target": lm_eval_args.describe(target),
+            "verifier": lm_eval_args.describe(verifier),
             "draft": lm_eval_args.describe(draft_source),
             "method": spec.method,
             "rule": repr(spec.rule),

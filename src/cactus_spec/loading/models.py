@@ -242,27 +242,27 @@ def _config_vocab_size(model: PreTrainedModel) -> int:
     return model.config.get_text_config().vocab_size
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> int:
+def check_same_vocabulary(verifier: LoadedModel, draft: LoadedModel) -> int:
     """Return the shared vocabulary size V (slice logits to `[..., :V]`), or raise.
 
     With both tokenizers, V is `len(tokenizer)` (embedding rows padded beyond it are fine)
     and the token-to-id maps must agree; otherwise the configs' vocab sizes must match.
     """
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        sizes = (len(target.tokenizer), len(draft.tokenizer))
-        if sizes[0] == sizes[1] and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+    if verifier.tokenizer is not None and draft.tokenizer is not None:
+        sizes = (len(verifier.tokenizer), len(draft.tokenizer))
+        if sizes[0] == sizes[1] and verifier.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise VocabularyMismatchError(
-                f"target and draft tokenizers both have {sizes[0]} tokens but map them to "
+                f"verifier and draft tokenizers both have {sizes[0]} tokens but map them to "
                 "different ids"
             )
     else:
-        sizes = (_config_vocab_size(target.model), _config_vocab_size(draft.model))
+        sizes = (_config_vocab_size(verifier.model), _config_vocab_size(draft.model))
     if sizes[0] != sizes[1]:
         raise VocabularyMismatchError(
-            f"target and draft vocabularies differ: target has {sizes[0]} tokens, "
+            f"verifier and draft vocabularies differ: the verifier has {sizes[0]} tokens, "
             f"draft has {sizes[1]}"
         )
-    widths = (_config_vocab_size(target.model), _config_vocab_size(draft.model))
+    widths = (_config_vocab_size(verifier.model), _config_vocab_size(draft.model))
     if sizes[0] > min(widths):
         raise VocabularyMismatchError(
             f"the tokenizers have {sizes[0]} tokens but the models only produce "

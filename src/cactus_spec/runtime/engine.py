@@ -44,7 +44,7 @@ __all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_p
 
 
 class SpeculativeDecoder:
-    """Decodes ``target`` (the verifier) by ``spec``: its method, K and drafter.
+    """Decodes with ``verifier`` by ``spec``: its method, K and drafter.
 
     ``draft`` is the draft model, needed when the spec drafts with the ``model`` drafter and
     refused otherwise (``ar`` drafts nothing; ``ngram`` looks up the context). A request may
@@ -60,7 +60,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: ModelSource,
+        verifier: ModelSource,
         draft: ModelSource | None = None,
         spec: DecodeSpec | None = None,
         *,
@@ -84,15 +84,15 @@ class SpeculativeDecoder:
         check_quant(draft_quant, "draft_quant")
         load = {"dtype": dtype, "device": device, "threads": threads}
         quant = check_quant(verifier_quant, "verifier_quant")
-        self.target = as_loaded("target", target, **load, quant=quant)
-        self.tokenizer = self.target.tokenizer
+        self.verifier = as_loaded("verifier", verifier, **load, quant=quant)
+        self.tokenizer = self.verifier.tokenizer
         self.max_batch = max_batch
-        self._verifier = make_backend(self.target, backend, max_batch)
-        self.vocab_size = self._verifier.vocab_size
+        self._backend = make_backend(self.verifier, backend, max_batch)
+        self.vocab_size = self._backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
         self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
-        self._stepper = Stepper(self._verifier, self._drafter, self.vocab_size)
+        self._stepper = Stepper(self._backend, self._drafter, self.vocab_size)
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
         if not self.spec.drafts:
@@ -100,7 +100,7 @@ class SpeculativeDecoder:
         if self.spec.drafter == "ngram":
             return NGramDrafter()
         loaded = as_loaded("draft", draft, **load)
-        self.vocab_size = check_same_vocabulary(self.target, loaded)
+        self.vocab_size = check_same_vocabulary(self.verifier, loaded)
         return ModelDrafter(make_backend(loaded, backend, self.max_batch), self.vocab_size)
 
     # --- what callers read ----------------------------------------------------------------
@@ -108,15 +108,15 @@ class SpeculativeDecoder:
     @property
     def context_length(self) -> int:
         """The most tokens a row of the verifier's cache holds."""
-        return self._verifier.context_length
+        return self._backend.context_length
 
     @property
     def device(self) -> torch.device:
-        return self.target.device
+        return self.verifier.device
 
     @property
     def eos_ids(self) -> frozenset[int]:
-        return self.target.eos_ids
+        return self.verifier.eos_ids
 
     # --- prompts --------------------------------------------------------------------------
 
@@ -235,20 +235,20 @@ class SpeculativeDecoder:
         """(log P(continuation | prefix), whether the continuation is the verifier's greedy
         path) for each (prefix ids, continuation ids), under the verifier alone
         (``scoring``); ``on_scored(index, score)`` as each is done."""
-        return scoring.score(self._verifier, self.vocab_size, items, on_scored)
+        return scoring.score(self._backend, self.vocab_size, items, on_scored)
 
     def calibrated_policy(self) -> SpeculationPolicy | None:
         """A serving policy for K up to ``max_draft_tokens``, its costs timed on this
         engine's models (``policy.calibrated_policy``); None when nothing is drafted."""
         if self._drafter is None:
             return None
-        return calibrated_policy(self._verifier, self._drafter, self.max_draft_tokens)
+        return calibrated_policy(self._backend, self._drafter, self.max_draft_tokens)
 
     def verifier_divergence(self) -> Divergence | None:
         """How far a quantised verifier's law is from its bfloat16 original (KL in nats per
         token on real text, ``divergence``): measured once per model, then cached. None
         for an unquantised verifier."""
-        return quant_divergence(self.target)
+        return quant_divergence(self.verifier)
 
     # --- rows, for the scheduler ----------------------------------------------------------
 
@@ -262,11 +262,11 @@ class SpeculativeDecoder:
             request.sampling,
             request.seed,
             spec=request.spec,
-            eos_ids=self.target.eos_ids,
+            eos_ids=self.verifier.eos_ids,
             tokenizer=self.tokenizer,
             stop=request.stop,
             on_text=request.on_text,
-            device=self.target.device,
+            device=self.verifier.device,
             row=row,
         )
 
