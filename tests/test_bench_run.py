@@ -196,7 +196,7 @@ def test_plots_are_png_files(tmp_path) -> None:
         (["--num-draft-tokens", "0"], "num_draft_tokens must be an integer >= 1"),
         (["--grid", "g.toml", "--method", "ar"], "--grid takes methods"),
         (["--top-p", "2"], r"top_p must be in \(0, 1\]"),
-        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
         (["--task", "gsm", "--prompts", "p.jsonl"], "prompts task only"),
     ],
 )

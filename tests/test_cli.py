@@ -38,7 +38,7 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1, got 0"),
         (["--temperature", "-0.5"], "temperature must be >= 0"),
         (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
         (["--verifier", "/nonexistent/model.gguf"], "cactus-spec models fetch"),
         (["--threads", "0"], "threads must be an integer >= 1, got 0"),
         (["--threads", "-1"], "threads must be an integer >= 1, got -1"),
@@ -62,9 +62,9 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
     [
         (["--method", "sps", "--delta", "0.5"], "--delta does not apply to --method sps"),
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
-        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
-        (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
-        (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1, got 0"),
+        (["--max-batch", "0"], "--max-batch must be an integer >= 1, got 0"),
+        (["--max-queue", "0"], "--max-queue must be an integer >= 1, got 0"),
+        (["--default-max-tokens", "0"], "--default-max-tokens must be an integer >= 1, got 0"),
         (["--port", "70000"], r"--port must be in \[0, 65535\], got 70000"),
         (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),
     ],
@@ -107,7 +107,7 @@ def test_demo_checks_counts_before_loading(flag: str, capsys) -> None:
     assert main(["demo", flag, "0", "--verifier", "/no/such.gguf"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err  # nothing loaded first
-    assert f"{flag} must be >= 1, got 0" in err
+    assert f"{flag} must be an integer >= 1, got 0" in err
 
 
 def test_demo_names_the_models_it_loads(capsys) -> None:

@@ -207,7 +207,7 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus() -> 
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k must be an integer >= 0"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
         ({"prompt": list(range(100)) * 2 + [1] * 50, "max_new_tokens": 10}, "context overflow"),
     ],
 )

@@ -101,6 +101,9 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
     assert len(payload["token_ids"]) == payload["stats"]["new_tokens"] <= 8
     assert payload["stats"]["kl_nats"] == 0
     assert isinstance(payload["text"], str)
+    assert payload["spec"] == {
+        "method": "sps", "params": {}, "num_draft_tokens": 10, "drafter": "model"
+    }  # fmt: skip
 
 
 def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:

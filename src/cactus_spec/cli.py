@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cactus_spec.backends.quant import QUANTS
+from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DRAFTERS, DecodeSpec, parse_spec
@@ -235,8 +236,7 @@ def _spec(args: argparse.Namespace) -> DecodeSpec:
 def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_tokens",)) -> None:
     """ValueError naming the first of ``flags`` below 1."""
     for flag in flags:
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        check_int(_flag(flag), getattr(args, flag))
 
 
 def _check_model_args(args: argparse.Namespace) -> None:
@@ -311,6 +311,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "text": result.text,
             "token_ids": result.token_ids,
             "interrupted": result.interrupted,
+            "spec": spec.as_dict(),
             "stats": result.stats.as_dict(),
             "verifier": {
                 "quant": args.verifier_quant,

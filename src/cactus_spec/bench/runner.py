@@ -45,6 +45,7 @@ from cactus_spec.bench.report import write_markdown
 from cactus_spec.bench.store import RunDirectory
 from cactus_spec.bench.summary import summarise
 from cactus_spec.bench.tasks import Item, TaskSpec
+from cactus_spec.core.checks import check_int
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.files import write_json_atomic
@@ -86,10 +87,8 @@ class BenchSettings:
     max_batch: int = 1  # items the engine decodes at once
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.max_batch, bool) or self.max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        check_int("max_new_tokens", self.max_new_tokens)
+        check_int("max_batch", self.max_batch)
         if not self.grid:
             raise ValueError("the grid holds no configuration")
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from cactus_spec.core.checks import is_int
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -189,10 +190,10 @@ def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> ob
     elif kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
-        ok = _is_int(value) or (text and isinstance(value, float) and value.is_integer())
+        ok = is_int(value) or (text and isinstance(value, float) and value.is_integer())
         value = int(value) if ok else value
     else:
-        ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+        ok = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
         value = float(value) if ok else value
     if not ok:
         raise ValueError(f"{name} must be {_KINDS[kind]}, got {value!r}")
@@ -208,10 +209,6 @@ def _from_text(text: str, kind: type) -> object:
         return int(text) if kind is int else float(text)
     except ValueError:
         return text
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -139,10 +139,8 @@ class CactusSpecLM(TemplateLM):
         self._info = {
             "verifier": lm_eval_args.describe(verifier),
             "draft": lm_eval_args.describe(draft_source),
-            "method": spec.method,
+            **spec.as_dict(),
             "rule": repr(spec.rule),
-            "num_draft_tokens": spec.num_draft_tokens,
-            "drafter": spec.drafter,
             "max_batch": max_batch,
             "seed": self.seed,
         }

@@ -22,6 +22,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from cactus_spec.backends.quant import check_quant, quantize
+from cactus_spec.core.checks import check_int
 from cactus_spec.loading.catalog import REGISTRY
 from cactus_spec.loading.model_store import (
     FETCH_HINT,
@@ -206,9 +207,7 @@ def load_model(
 
 def check_threads(threads: object) -> int:
     """``threads`` if it is an integer >= 1, else ValueError."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-    return threads
+    return check_int("threads", threads)
 
 
 def check_device(device: str | torch.device) -> torch.device:

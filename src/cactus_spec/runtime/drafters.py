@@ -30,11 +30,12 @@ class Draft:
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One row's ask: up to ``k`` tokens after ``context``, drawn with ``generator``."""
+    """One row's ask: up to ``num_draft_tokens`` tokens after ``context``, drawn with
+    ``generator``."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
-    k: int
+    num_draft_tokens: int
     sampling: SamplingConfig
     generator: torch.Generator
 
@@ -52,7 +53,8 @@ class Drafter(Protocol):
         """Forget any state from an earlier sequence in ``row`` (default: every row)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """For each request, up to ``k`` tokens that may follow its context."""
+        """For each request, up to its ``num_draft_tokens`` tokens that may follow its
+        context."""
 
     def behind(self, row: int, context: Sequence[int]) -> int:
         """Tokens of ``context`` the drafter would read before drafting for ``row`` again."""
@@ -102,7 +104,7 @@ class ModelDrafter:
         pending = [self._catch_up(r) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
-        active = [i for i, r in enumerate(requests) if r.k > 0]
+        active = [i for i, r in enumerate(requests) if r.num_draft_tokens > 0]
         while active:
             feeds = [pending[i] for i in active]
             rows_fed = [requests[i].row for i in active]
@@ -114,7 +116,7 @@ class ModelDrafter:
                 rows[i].append(probs)
                 tokens[i].append(token)
                 pending[i] = [token]
-            active = [i for i in active if len(tokens[i]) < requests[i].k]
+            active = [i for i in active if len(tokens[i]) < requests[i].num_draft_tokens]
         drafts = []
         for request, drafted, probs in zip(requests, tokens, rows, strict=True):
             self._seen[request.row] = len(request.context)
@@ -158,7 +160,7 @@ class NGramDrafter:
         return 0
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        return [self.propose_one(r.context, r.k) for r in requests]
+        return [self.propose_one(r.context, r.num_draft_tokens) for r in requests]
 
     def propose_one(self, context: Sequence[int], k: int) -> Draft:
         """Up to ``k`` tokens that followed the latest earlier match of the context's end."""

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.quant import check_quant
+from cactus_spec.core.checks import check_int
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
@@ -76,8 +78,7 @@ class SpeculativeDecoder:
         spec = DecodeSpec() if spec is None else spec
         if not isinstance(spec, DecodeSpec):
             raise TypeError(f"spec must be a DecodeSpec (DecodeSpec.of(...)), got {spec!r}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        check_int("max_batch", max_batch)
         self.spec = spec
         self.max_draft_tokens = _max_draft_tokens(spec, max_draft_tokens)
         _check_draft(spec, draft)
@@ -189,7 +190,7 @@ class SpeculativeDecoder:
         """
         sampling = SamplingConfig(temperature, top_k, top_p)
         check_seed(seed)
-        _check_count("max_new_tokens", max_new_tokens)
+        check_int("max_new_tokens", max_new_tokens)
         spec = self._spec(spec)
         prompt_ids = self.encode(prompt, chat)
         self.check_context(len(prompt_ids), max_new_tokens, spec)
@@ -221,7 +222,7 @@ class SpeculativeDecoder:
         spec = self._spec(spec)
         for prompt in prompts:
             check_seed(prompt.seed)
-            _check_count("max_new_tokens", prompt.max_new_tokens)
+            check_int("max_new_tokens", prompt.max_new_tokens)
             own = self._spec(prompt.spec or spec)
             self._check_drafter(own)
             self.check_context(len(prompt.ids), prompt.max_new_tokens, own)
@@ -274,9 +275,11 @@ class SpeculativeDecoder:
         """Read the generations' prompts into their rows (``Stepper.prefill``)."""
         self._stepper.prefill(generations)
 
-    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
+    def step(
+        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+    ) -> StepTiming:
         """One iteration over the generations (``Stepper.step``)."""
-        return self._stepper.step(generations, ks)
+        return self._stepper.step(generations, num_draft_tokens)
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting again."""
@@ -299,9 +302,10 @@ class SpeculativeDecoder:
 
 
 def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
+    """The largest K a row may draft: ``given``, else the spec's K, else the default K."""
     if given is None:
-        return spec.num_draft_tokens or DecodeSpec().num_draft_tokens
-    _check_count("max_draft_tokens", given)
+        return spec.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+    check_int("max_draft_tokens", given)
     if spec.num_draft_tokens is not None and spec.drafts and spec.num_draft_tokens > given:
         raise ValueError(
             f"num_draft_tokens ({spec.num_draft_tokens}) must not exceed max_draft_tokens "
@@ -318,13 +322,6 @@ def _check_draft(spec: DecodeSpec, draft: ModelSource | None) -> None:
     if not needed and draft is not None:
         why = "it drafts nothing" if not spec.drafts else f"it drafts with {spec.drafter}"
         raise ValueError(f"a draft model does not apply to method {spec.method} ({why})")
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def check_prompt_text(prompt: str) -> None:

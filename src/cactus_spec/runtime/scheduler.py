@@ -83,8 +83,11 @@ class Rows(Protocol):
     def prefill(self, generations: Sequence[Generation]) -> None:
         """Read the generations' prompts into their rows."""
 
-    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
-        """One iteration over the generations, drafting up to ``ks[i]`` for the i-th."""
+    def step(
+        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+    ) -> StepTiming:
+        """One iteration over the generations, drafting up to ``num_draft_tokens[i]`` tokens
+        for the i-th."""
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting."""
@@ -178,8 +181,7 @@ class Scheduler:
         if not self._active:
             return
         generations = [g for _, g in self._active]
-        ks = self._draft_lengths(generations)
-        timing = self.engine.step(generations, ks)
+        timing = self.engine.step(generations, self._num_draft_tokens(generations))
         if self.policy is not None:
             self.policy.observe(timing)
         self.counters.iterations += 1
@@ -187,11 +189,13 @@ class Scheduler:
         for request, g in [pair for pair in self._active if pair[1].done]:
             self._finish(request, g)
 
-    def _draft_lengths(self, generations: list[Generation]) -> list[int]:
+    def _num_draft_tokens(self, generations: list[Generation]) -> list[int]:
+        """K of each generation: its spec's, else the policy's choice (else the engine's
+        ``max_draft_tokens``)."""
         if self.policy is not None:
             return self.policy.choose(generations, self.engine.behind(generations))
-        ks = [g.spec.num_draft_tokens for g in generations]
-        return [self.engine.max_draft_tokens if k is None else k for k in ks]
+        fixed = [g.spec.num_draft_tokens for g in generations]
+        return [self.engine.max_draft_tokens if k is None else k for k in fixed]
 
     def _finish(self, request: Request, g: Generation) -> None:
         self._release(request, g)

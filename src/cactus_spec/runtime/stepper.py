@@ -83,9 +83,12 @@ class Stepper:
             return [0] * len(generations)
         return [self.drafter.behind(g.row, g.context) for g in generations]
 
-    def step(self, generations: Sequence[Generation], ks: Sequence[int]) -> StepTiming:
-        """One iteration for every generation, drafting up to ``ks[i]`` tokens for the i-th."""
-        drafts, draft_steps, draft_s = self._propose(generations, ks)
+    def step(
+        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+    ) -> StepTiming:
+        """One iteration for every generation, drafting up to ``num_draft_tokens[i]`` tokens
+        for the i-th."""
+        drafts, draft_steps, draft_s = self._propose(generations, num_draft_tokens)
         feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
         kept = [self.verifier.length_of(g.row) for g in generations]
         start = time.perf_counter()
@@ -109,13 +112,13 @@ class Stepper:
         verified = sum(len(f) for f in feeds)
         return StepTiming(len(generations), draft_steps, draft_s, verified, verify_s, emitted)
 
-    def _propose(self, generations, ks) -> tuple[list[Draft], int, float]:
+    def _propose(self, generations, num_draft_tokens) -> tuple[list[Draft], int, float]:
         """Each generation's draft (empty where it drafts nothing), the number of draft
         steps, and their wall time (added to the draft time of every row that drafted)."""
-        budgets = [g.draft_budget(k) for g, k in zip(generations, ks, strict=True)]
+        counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
             DraftRequest(g.row, g.context, k, g.sampling, g.generator)
-            for g, k in zip(generations, budgets, strict=True)
+            for g, k in zip(generations, counts, strict=True)
             if k > 0
         ]
         if self.drafter is None or not asks:
@@ -124,11 +127,11 @@ class Stepper:
         proposed = iter(self.drafter.propose(asks))
         elapsed = self._elapsed(start)
         drafts = []
-        for g, k in zip(generations, budgets, strict=True):
+        for g, k in zip(generations, counts, strict=True):
             if k > 0:
                 g.stats.time_draft_s += elapsed
             drafts.append(next(proposed) if k > 0 else Draft([], None))
-        return drafts, max(budgets), elapsed
+        return drafts, max(counts), elapsed
 
     def _elapsed(self, start: float) -> float:
         self.verifier.synchronize()

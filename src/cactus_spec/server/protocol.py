@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cactus_spec.core.checks import is_int
 from cactus_spec.core.sampling import MAX_SEED
 from cactus_spec.core.spec import DecodeSpec, parse_spec
 
@@ -132,7 +133,7 @@ def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> Decode
         message = "speculative.drafter: the drafter is the server's (--drafter)"
         raise APIError(400, message, "speculative.drafter")
     k = options.get("num_draft_tokens")
-    if _is_int(k) and not 1 <= k <= MAX_DRAFT_TOKENS:
+    if is_int(k) and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise APIError(400, f"{_K} must be in [1, {MAX_DRAFT_TOKENS}], got {k}", _K)
     try:
         return parse_spec(options, base=base)
@@ -142,7 +143,3 @@ def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> Decode
 
 
 _K = "speculative.num_draft_tokens"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

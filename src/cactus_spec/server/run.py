@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+from cactus_spec.core.checks import check_int
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import Scheduler
@@ -18,8 +19,7 @@ def start_scheduler(
     """A started scheduler over ``engine``; ``policy`` auto times the models first."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+    check_int("max_queue", max_queue)
     chosen = None
     if policy == "auto" and engine.spec.drafts:
         print("timing the models for the speculation policy …", file=sys.stderr)

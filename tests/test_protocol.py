@@ -1,0 +1,45 @@
+"""The server's ``speculative`` object, read by the one spec parser over the server's spec."""
+
+from __future__ import annotations
+
+import pytest
+
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.server.protocol import MAX_DRAFT_TOKENS, APIError, speculative_spec
+
+#: A server decoding Cactus(1) whose policy picks K (requests may fix it).
+BASE = DecodeSpec.of("cactus", delta=1.0).with_num_draft_tokens(None)
+
+
+def test_no_speculative_object_is_the_servers_spec() -> None:
+    assert speculative_spec(None, BASE) is BASE
+
+
+def test_a_request_picks_its_method_parameters_and_k() -> None:
+    spec = speculative_spec({"method": "cactus", "delta": 0.5, "num_draft_tokens": 4}, BASE)
+    assert spec.rule == Cactus(0.5) and spec.num_draft_tokens == 4 and spec.drafter == "model"
+    auto = speculative_spec({"method": "sps"}, BASE)
+    assert auto.rule == SpS() and auto.num_draft_tokens is None  # the policy picks K
+    assert speculative_spec({"method": "ar"}, BASE).rule is None
+
+
+@pytest.mark.parametrize(
+    ("options", "param", "words"),
+    [
+        ({"num_draft_tokens": 0}, "speculative.num_draft_tokens", f"[1, {MAX_DRAFT_TOKENS}]"),
+        ({"num_draft_tokens": 33}, "speculative.num_draft_tokens", "got 33"),
+        ({"num_draft_tokens": "4"}, "speculative.num_draft_tokens", "must be an integer"),
+        ({"method": "ar", "num_draft_tokens": 4}, "speculative.num_draft_tokens", "method ar"),
+        ({"drafter": "ngram"}, "speculative.drafter", "the drafter is the server's"),
+        ({"method": "cactus", "delta": "1"}, "speculative", "delta must be a number"),
+        ({"method": "sps", "delta": 1.0}, "speculative", "delta does not apply to method sps"),
+        ({"delta": 0.5}, "speculative", "method is required"),
+        ({"method": "nope"}, "speculative", "method must be one of"),
+    ],
+)
+def test_a_bad_speculative_object_is_a_400_naming_its_key(options, param, words) -> None:
+    with pytest.raises(APIError) as caught:
+        speculative_spec(options, BASE)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert words in caught.value.message
