@@ -114,8 +114,8 @@ def test_interrupted_run_resumes_where_it_stopped(models, prompts, tmp_path) -> 
     (out / RESULTS_FILE).write_text("\n".join(full[:3]) + "\n" + full[3][: len(full[3]) // 2])
     run(settings(prompts), models, out)
     raw = (out / RESULTS_FILE).read_text().splitlines()
-    assert raw[:3] == full[:3] and raw[3] == full[3][: len(full[3]) // 2]  # nothing rewritten
-    rows = [json.loads(line) for line in raw[:3] + raw[4:]]
+    assert raw[:3] == full[:3]  # the whole records are untouched
+    rows = [json.loads(line) for line in raw]  # the half-written one is gone
     pairs = [(r["config"], r["item"]) for r in rows]
     assert len(pairs) == len(set(pairs)) == len(full)  # each pair once, none lost
 
@@ -234,3 +234,23 @@ def test_one_run_compares_verifier_formats(prompts: Path, models, tmp_path) -> N
     assert "| ar | - | - | int8 |" in text and "| ar | - | - | dense |" in text
     with pytest.raises(ValueError, match="asks for a verifier in int8 weights"):
         run_bench(config, items, target, draft, tmp_path / "other")
+
+
+def test_a_resumed_run_drops_a_line_cut_short_by_a_crash(tmp_path, capsys) -> None:
+    from cactus_spec.bench.store import RunDirectory
+
+    run = RunDirectory(tmp_path / "run", {"task": "t"})
+    run.append({"config": "ar", "item": "a"})
+    with (tmp_path / "run" / RESULTS_FILE).open("a") as f:
+        f.write('{"config": "ar", "it')  # the process died mid-line
+    again = RunDirectory(tmp_path / "run", {"task": "t"})
+    text = (tmp_path / "run" / RESULTS_FILE).read_text()
+    assert text == '{"config": "ar", "item": "a"}\n'
+    assert again.finished() == {("ar", "a")}
+    assert "dropped a partial last line" in capsys.readouterr().err
+
+
+def test_an_unknown_model_to_fetch_is_one_error_line(capsys) -> None:
+    assert main(["models", "fetch", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown model 'nope'") and err.count("\n") == 1

@@ -44,6 +44,8 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--threads", "-1"], "threads must be an integer >= 1, got -1"),
         (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),
         (["--seed", "-1"], r"--seed must be an integer in \[0, 2\*\*64 - 1\], got -1"),
+        (["--stop", ""], "stop strings must be non-empty"),
+        (["--drafter", "ngram", "--draft", "/no/draft.gguf"], "--draft does not apply"),
         (["--seed", str(2**64)], r"--seed must be an integer in \[0, 2\*\*64 - 1\]"),
         (["--dtype", "int3"], "dtype must be one of"),
     ],

@@ -10,6 +10,7 @@ from test_engine import noisy_copy
 
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
@@ -68,3 +69,23 @@ def test_bad_input_is_refused_before_decoding() -> None:
         decoder(1).decode_many([Prompt([1, 2], 4, seed=-1)], SAMPLING)
     with pytest.raises(ValueError, match="context overflow"):
         decoder(1).decode_many([Prompt([1, 2], 10_000)], SAMPLING)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (Prompt([], 4), r"prompts\[1\]: prompt must not be empty"),
+        (Prompt([1, 500], 4), r"prompts\[1\]: prompt token ids must lie in \[0, 128\)"),
+        (Prompt([1, 2], 0), "max_new_tokens must be an integer >= 1, got 0"),
+        (Prompt([1, 2], 4, stop=("",)), "stop strings must be non-empty"),
+        (Prompt([1, 2], 4, spec=DecodeSpec.of("sps", drafter="ngram")), "drafts with ngram"),
+    ],
+)
+def test_every_prompt_is_checked_as_generate_checks_it(prompt, message) -> None:
+    """Before any row decodes: no IndexError from deep inside, no token past a budget of 0."""
+    seen: list[int] = []
+    with pytest.raises(ValueError, match=message):
+        decoder(1).decode_many(
+            [PROMPTS[0], prompt], SAMPLING, on_result=lambda i, _: seen.append(i)
+        )
+    assert seen == []

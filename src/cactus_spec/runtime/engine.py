@@ -37,7 +37,12 @@ from cactus_spec.loading.models import ModelSource, as_loaded, check_same_vocabu
 from cactus_spec.runtime import scoring
 from cactus_spec.runtime.batch import Prompt, decode_all
 from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
-from cactus_spec.runtime.generation import Generation, GenerationResult, GenerationStats
+from cactus_spec.runtime.generation import (
+    Generation,
+    GenerationResult,
+    GenerationStats,
+    check_stops,
+)
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
 from cactus_spec.runtime.scheduler import Request
 from cactus_spec.runtime.stepper import Stepper, StepTiming
@@ -191,10 +196,11 @@ class SpeculativeDecoder:
         sampling = SamplingConfig(temperature, top_k, top_p)
         check_seed(seed)
         check_int("max_new_tokens", max_new_tokens)
+        stops = check_stops(stop)
         spec = self._spec(spec)
         prompt_ids = self.encode(prompt, chat)
         self.check_context(len(prompt_ids), max_new_tokens, spec)
-        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, list(stop or []))
+        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops)
         request.on_text = on_text
         generation = self.new_generation(request, row=0)
         k = self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
@@ -220,13 +226,22 @@ class SpeculativeDecoder:
         order, each also handed to ``on_result(index, result)`` as it finishes. Every prompt
         is checked first."""
         spec = self._spec(spec)
-        for prompt in prompts:
-            check_seed(prompt.seed)
-            check_int("max_new_tokens", prompt.max_new_tokens)
-            own = self._spec(prompt.spec or spec)
-            self._check_drafter(own)
-            self.check_context(len(prompt.ids), prompt.max_new_tokens, own)
+        for index, prompt in enumerate(prompts):
+            try:
+                self._check_prompt(prompt, spec)
+            except ValueError as err:
+                raise ValueError(f"prompts[{index}]: {err}") from None
         return decode_all(self, prompts, sampling, spec, policy=policy, on_result=on_result)
+
+    def _check_prompt(self, prompt: Prompt, spec: DecodeSpec) -> None:
+        """What ``generate`` checks of its arguments, for one prompt of ``decode_many``."""
+        self.encode(prompt.ids)
+        check_seed(prompt.seed)
+        check_int("max_new_tokens", prompt.max_new_tokens)
+        check_stops(prompt.stop)
+        own = self._spec(prompt.spec or spec)
+        self._check_drafter(own)
+        self.check_context(len(prompt.ids), prompt.max_new_tokens, own)
 
     def score(
         self,
@@ -338,7 +353,12 @@ def check_prompt_text(prompt: str) -> None:
 
 
 def _token_ids(prompt: Sequence[int] | Tensor) -> list[int]:
-    """Prompt token ids as ints; floats, bools and other non-integers are refused."""
+    """Prompt token ids as ints; floats, bools and other non-integers are refused, and so is
+    anything but a sequence or a tensor (bytes are not token ids)."""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, Tensor)):
+        raise TypeError(
+            f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}"
+        )
     if isinstance(prompt, Tensor):
         if prompt.is_floating_point() or prompt.dtype == torch.bool or prompt.dim() != 1:
             raise ValueError(

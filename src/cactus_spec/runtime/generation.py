@@ -235,6 +235,18 @@ class Generation:
         return text[: _first_stop(text, self.stop)]
 
 
+def check_stops(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop strings as a list: one string is one stop (not its characters); each must be a
+    non-empty string, else ValueError naming it."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not isinstance(s, str):
+            raise ValueError(f"stop strings must be strings, got {s!r}")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+    return stops
+
+
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     """Index where the earliest stop string starts in text, or None."""
     hits = [text.find(s) for s in stops if s and s in text]
