@@ -4,6 +4,7 @@ requests get their status and a message naming the field, backpressure, disconne
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -314,3 +315,44 @@ def test_sps_and_ar_requests_share_a_batch_with_cactus(one: Served, offline, smo
     for text, (rule, k) in zip(texts, rules, strict=True):
         decoder = SpeculativeDecoder(smollm, smollm if rule else None, spec_of(rule, k))
         assert text == decoder.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 21, chat=False).text
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_500(one: Served) -> None:
+    body = b'{"model": "smollm2-135m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, answer = raw_post(f"{one.url}/v1/completions", body)
+    assert status == 400 and "nested too deeply" in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405), ("DELETE", "/health", 405)],
+)
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(one, method, path, status):
+    connection = http.client.HTTPConnection(one.url.removeprefix("http://"))
+    connection.request(method, path)
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == status
+    assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
+
+
+def test_the_api_key_scheme_is_case_blind_and_a_non_ascii_key_is_utf8(smollm) -> None:
+    server = Served(smollm, "ngram", api_key="sésame")
+    try:
+        host = server.url.removeprefix("http://")
+        statuses = {}
+        for label, value in {
+            "utf-8 bearer": "Bearer sésame".encode(),
+            "lowercase scheme": "bearer sésame".encode(),
+            "latin-1, not the key": "Bearer sésame".encode("latin-1"),
+        }.items():
+            connection = http.client.HTTPConnection(host)
+            connection.putrequest("GET", "/v1/models")
+            connection.putheader("Authorization", value)
+            connection.endheaders()
+            statuses[label] = connection.getresponse().status
+        want = {"utf-8 bearer": 200, "lowercase scheme": 200, "latin-1, not the key": 401}
+        assert statuses == want
+    finally:
+        server.close()

@@ -141,9 +141,13 @@ class Scheduler:
             self._wake.notify()
 
     def cancel(self, request: Request) -> None:
-        """Stop ``request`` at the next iteration and free its row (a client went away)."""
-        request.cancelled = True
+        """Forget ``request`` (a client went away): one still waiting leaves the queue at
+        once; one decoding stops at the next iteration and frees its row."""
         with self._wake:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.counters.requests_cancelled += 1
             self._wake.notify()
 
     def _loop(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.generation import GenerationResult
@@ -55,13 +56,18 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HTTPRequest, err: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape too."""
+        answer = APIError(err.status_code, str(err.detail))
+        return JSONResponse(answer.body(), status_code=err.status_code, headers=err.headers)
+
     @app.middleware("http")
     async def check_key(request: HTTPRequest, call_next: Callable):
-        if config.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
-                return JSONResponse(err.body(), status_code=401)
+        guarded = config.api_key and request.url.path != "/health"
+        if guarded and not _has_key(request.headers.get("authorization", ""), config.api_key):
+            err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
+            return JSONResponse(err.body(), status_code=401)
         return await call_next(request)
 
     @app.get("/health")
@@ -90,11 +96,22 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _has_key(header: str, key: str) -> bool:
+    """Whether an Authorization header holds ``Bearer KEY`` (the scheme in any case, the key
+    as UTF-8 bytes), compared in constant time. ASGI hands header bytes over as Latin-1
+    text, so encoding it back gives the bytes the client sent."""
+    scheme, _, token = header.encode("latin-1", "replace").partition(b" ")
+    expected = key.encode("utf-8")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), expected)
+
+
 async def _json(request: HTTPRequest) -> object:
     try:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 class _Handler:
