@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -356,3 +357,25 @@ def test_the_api_key_scheme_is_case_blind_and_a_non_ascii_key_is_utf8(smollm) ->
         assert statuses == want
     finally:
         server.close()
+
+
+def test_a_client_that_leaves_a_whole_answer_frees_its_row(one: Served) -> None:
+    """Not streaming: the client closes its socket while the answer is being decoded."""
+    cancelled = one.metric('requests_total{outcome="cancelled"}')
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPTS[2], "max_tokens": 6000}).encode()
+    host, port = one.url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    client.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while one.metric("batch_size") < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    client.close()
+    deadline = time.monotonic() + 15  # 6000 tokens would take minutes
+    while (
+        one.metric("batch_size") > 0
+        or one.metric('requests_total{outcome="cancelled"}') == cancelled
+    ):
+        assert time.monotonic() < deadline, "the row was never freed"
+        time.sleep(0.05)

@@ -62,13 +62,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         answer = APIError(err.status_code, str(err.detail))
         return JSONResponse(answer.body(), status_code=err.status_code, headers=err.headers)
 
-    @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next: Callable):
-        guarded = config.api_key and request.url.path != "/health"
-        if guarded and not _has_key(request.headers.get("authorization", ""), config.api_key):
-            err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
-            return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(_RequireKey, key=config.api_key)
 
     @app.get("/health")
     async def health() -> dict:
@@ -96,13 +91,27 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _has_key(header: str, key: str) -> bool:
-    """Whether an Authorization header holds ``Bearer KEY`` (the scheme in any case, the key
-    as UTF-8 bytes), compared in constant time. ASGI hands header bytes over as Latin-1
-    text, so encoding it back gives the bytes the client sent."""
-    scheme, _, token = header.encode("latin-1", "replace").partition(b" ")
-    expected = key.encode("utf-8")
-    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), expected)
+class _RequireKey:
+    """ASGI middleware: every route but /health needs ``Authorization: Bearer KEY`` (the
+    scheme in any case, the key as UTF-8 bytes, compared in constant time). A plain ASGI
+    layer, not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the
+    route (a non-streaming request would then decode to its end for nobody)."""
+
+    def __init__(self, app: Callable, key: str) -> None:
+        self.app = app
+        self.key = key.encode("utf-8")
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not self._allowed(scope):
+            err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
+            await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: dict) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
 
 
 async def _json(request: HTTPRequest) -> object:
