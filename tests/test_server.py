@@ -379,3 +379,34 @@ def test_a_client_that_leaves_a_whole_answer_frees_its_row(one: Served) -> None:
     ):
         assert time.monotonic() < deadline, "the row was never freed"
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def strict(one: Served):
+    """The same scheduler behind an app that reads at most 1000 bytes within 0.5 s."""
+    app = create_app(one.scheduler, ServerConfig(MODEL_ID, None, 32, 1000, 0.5))
+    with BackgroundServer(app) as url:
+        yield url.removeprefix("http://")
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read(strict) -> None:
+    connection = http.client.HTTPConnection(strict)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Length", str(50 * 2**20))  # announced, never sent
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413
+    assert "exceeds 1000 bytes" in json.loads(response.read())["error"]["message"]
+    chunked = http.client.HTTPConnection(strict)  # no length announced: cut at the limit
+    chunked.request("POST", "/v1/completions", body=iter([b"x" * 600] * 4), encode_chunked=True)
+    assert chunked.getresponse().status == 413
+
+
+def test_a_body_that_never_arrives_is_408(strict) -> None:
+    host, port = strict.split(":")
+    client = socket.create_connection((host, int(port)))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+    client.settimeout(10)
+    reply = client.recv(4096).decode()
+    client.close()
+    assert reply.startswith("HTTP/1.1 408"), reply[:80]

@@ -152,6 +152,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="the largest request body read; larger ones get 413 (default 4 MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive; slower ones get 408 (default 30)",
+    )
     p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
     p.add_argument(
         "--api-key",
@@ -412,7 +424,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.run import start_scheduler
 
     spec = _spec(args)
-    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens"))
+    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"))
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)
@@ -423,7 +437,9 @@ def run_serve(args: argparse.Namespace) -> int:
     decoder = _engine(args, spec, args.max_batch, cap, announce=True)
     scheduler = start_scheduler(decoder, args.policy, args.max_queue)
     model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
-    config = ServerConfig(model_id, args.api_key, args.default_max_tokens)
+    config = ServerConfig(
+        model_id, args.api_key, args.default_max_tokens, args.max_request_bytes, args.body_timeout
+    )
     try:
         uvicorn.run(create_app(scheduler, config), host=args.host, port=args.port)
     finally:

@@ -36,6 +36,10 @@ from cactus_spec.server.protocol import (
 
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
+#: The largest request body read (a prompt filling a 32k context is well under it).
+MAX_REQUEST_BYTES = 4 * 2**20
+#: Seconds a request's body may take to arrive once its headers have.
+BODY_TIMEOUT_S = 30.0
 #: How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -45,6 +49,8 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
@@ -80,12 +86,12 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        body = parse(CompletionRequest, await _json(request))
+        body = parse(CompletionRequest, await _json(request, config))
         return await handler.run(request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        body = parse(ChatCompletionRequest, await _json(request))
+        body = parse(ChatCompletionRequest, await _json(request, config))
         return await handler.run(request, body, chat=True)
 
     return app
@@ -114,13 +120,38 @@ class _RequireKey:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
 
 
-async def _json(request: HTTPRequest) -> object:
+async def _json(request: HTTPRequest, config: ServerConfig) -> object:
+    """The request's JSON body: 413 past ``max_request_bytes`` (read no further), 408 when
+    it does not arrive within ``body_timeout_s``, 400 when it is not JSON."""
+    limit = config.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
     try:
-        return json.loads(await request.body())
+        data = await asyncio.wait_for(_read(request, limit), config.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {config.body_timeout_s:g} s"
+        ) from None
+    try:
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON ({err})") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+
+
+async def _read(request: HTTPRequest, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return bytes(body)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)")
 
 
 class _Handler:
