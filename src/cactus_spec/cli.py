@@ -155,13 +155,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-request-bytes",
         type=int,
-        default=4 * 2**20,
         help="the largest request body read; larger ones get 413 (default 4 MiB)",
     )
     p.add_argument(
         "--body-timeout",
         type=float,
-        default=30.0,
         help="seconds a request body may take to arrive; slower ones get 408 (default 30)",
     )
     p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
@@ -424,8 +422,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.run import start_scheduler
 
     spec = _spec(args)
-    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "max_request_bytes"))
-    if not args.body_timeout > 0:
+    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens"))
+    if args.max_request_bytes is not None:
+        _check_counts(args, ("max_request_bytes",))
+    if args.body_timeout is not None and not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -437,9 +437,9 @@ def run_serve(args: argparse.Namespace) -> int:
     decoder = _engine(args, spec, args.max_batch, cap, announce=True)
     scheduler = start_scheduler(decoder, args.policy, args.max_queue)
     model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
-    config = ServerConfig(
-        model_id, args.api_key, args.default_max_tokens, args.max_request_bytes, args.body_timeout
-    )
+    limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
+    given = {name: value for name, value in limits.items() if value is not None}  # else its own
+    config = ServerConfig(model_id, args.api_key, args.default_max_tokens, **given)
     try:
         uvicorn.run(create_app(scheduler, config), host=args.host, port=args.port)
     finally:

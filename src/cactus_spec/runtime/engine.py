@@ -152,6 +152,13 @@ class SpeculativeDecoder:
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def draft_tokens(self, spec: DecodeSpec) -> int:
+        """K a row decoding by ``spec`` drafts when no policy picks it: the spec's own, else
+        ``max_draft_tokens`` (0 for a method that drafts nothing)."""
+        if not spec.drafts:
+            return 0
+        return self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
+
     def check_context(
         self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None
     ) -> None:
@@ -160,8 +167,7 @@ class SpeculativeDecoder:
         spec = self._spec(spec)
         parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
         if spec.drafts:
-            k = spec.num_draft_tokens
-            parts["num_draft_tokens"] = self.max_draft_tokens if k is None else k
+            parts["num_draft_tokens"] = self.draft_tokens(spec)
         if sum(parts.values()) > self.context_length:
             terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
             raise ValueError(
@@ -194,16 +200,13 @@ class SpeculativeDecoder:
         same tokens.
         """
         sampling = SamplingConfig(temperature, top_k, top_p)
-        check_seed(seed)
-        check_int("max_new_tokens", max_new_tokens)
-        stops = check_stops(stop)
         spec = self._spec(spec)
+        stops = check_stops(stop)
         prompt_ids = self.encode(prompt, chat)
-        self.check_context(len(prompt_ids), max_new_tokens, spec)
-        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops)
-        request.on_text = on_text
+        self._check_prompt(Prompt(prompt_ids, max_new_tokens, seed, tuple(stops)), spec)
+        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops, on_text)
         generation = self.new_generation(request, row=0)
-        k = self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
+        k = self.draft_tokens(spec)
         try:
             self._stepper.prefill([generation])
             while not generation.done:

@@ -75,7 +75,9 @@ class Rows(Protocol):
     """What the scheduler asks of the engine (``runtime.engine.SpeculativeDecoder``)."""
 
     max_batch: int
-    max_draft_tokens: int
+
+    def draft_tokens(self, spec: DecodeSpec) -> int:
+        """K a row of ``spec`` drafts when no policy picks it."""
 
     def new_generation(self, request: Request, row: int) -> Generation:
         """The generation of ``request`` in ``row``."""
@@ -194,12 +196,11 @@ class Scheduler:
             self._finish(request, g)
 
     def _num_draft_tokens(self, generations: list[Generation]) -> list[int]:
-        """K of each generation: its spec's, else the policy's choice (else the engine's
-        ``max_draft_tokens``)."""
+        """K of each generation: the policy's choice where it leaves K open, else the engine's
+        ``draft_tokens`` (the spec's own K, or the engine's ``max_draft_tokens``)."""
         if self.policy is not None:
             return self.policy.choose(generations, self.engine.behind(generations))
-        fixed = [g.spec.num_draft_tokens for g in generations]
-        return [self.engine.max_draft_tokens if k is None else k for k in fixed]
+        return [self.engine.draft_tokens(g.spec) for g in generations]
 
     def _finish(self, request: Request, g: Generation) -> None:
         self._release(request, g)
