@@ -22,6 +22,7 @@ LAYERS = {
     "server": 4,
     "lm_eval": 4,
     "bench": 4,
+    "integrations": 4,
     "cli": 5,
     "__main__": 5,
 }

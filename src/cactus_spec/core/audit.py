@@ -101,3 +101,16 @@ def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
         return torch.full(q_s.shape[:-1], float("nan"), dtype=torch.float64)
     return kl(step_law(p_s, q_s, rule), q_s)
+
+
+def one_hot_divergences(q: Tensor, draft_ids: Tensor, rule: Rule) -> Tensor:
+    """KL(law_i || q_i) in nats for deterministic drafts: q [P, V], draft_ids [P] -> [P].
+
+    With a one-hot draft at n the emitted law is a(n) e_n + (1 - a(n)) r_n, one row per
+    position, so the exact divergence costs O(V) at any vocabulary (no support restriction).
+    """
+    q = q.float()
+    accept = rule.accept_prob(q, draft_ids, None).double().unsqueeze(-1)  # [P, 1]
+    law = (1 - accept) * rule.residual(q, draft_ids, None).double()  # [P, V]
+    law = law.scatter_add(-1, draft_ids.unsqueeze(-1), accept)
+    return kl(law, q)

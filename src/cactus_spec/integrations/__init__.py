@@ -1,0 +1,1 @@
+"""cactus-spec inside other engines (an interface layer: it imports ``core`` only)."""

@@ -1,0 +1,132 @@
+"""The divergence meter in vLLM: per request, the drafts verified and kept and the exact KL spent.
+
+For every verified position whose token the sampler emitted (the accepted drafts and the
+one recovered at the first rejection; the bonus token is drawn from q and costs nothing)
+the meter adds KL(law || q), the exact divergence of that step's emitted law from the q
+the request samples from (after temperature, top-k, top-p and penalties):
+
+- one-hot drafts (greedy drafting, n-gram): ``audit.one_hot_divergences``, exact at any
+  vocabulary;
+- drafts with probabilities: ``audit.step_divergences``, exact on the union of supports,
+  NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k).
+
+When a request finishes, the worker logs one line and, where the environment variable
+``CACTUS_SPEC_VLLM_METER`` names a file, appends one JSON line to it (request id, spec,
+drafted, accepted, emitted positions, kl_nats).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from cactus_spec.core.audit import one_hot_divergences, step_divergences
+from cactus_spec.core.rules import Rule
+from cactus_spec.core.spec import DecodeSpec
+
+METER_FILE_ENV = "CACTUS_SPEC_VLLM_METER"
+logger = logging.getLogger("vllm.cactus_spec")  # under vLLM's logger: its handlers and level
+
+
+@dataclass
+class Tally:
+    """One request's counts so far."""
+
+    method: str
+    params: dict
+    drafted: int = 0
+    accepted: int = 0
+    positions: int = 0  # verified positions that emitted a token
+    kl_nats: float = 0.0  # NaN once a position could not be measured
+
+
+class Meter:
+    """Tallies by request id, filled by the sampler and closed when a request finishes."""
+
+    def __init__(self) -> None:
+        self.tallies: dict[str, Tally] = {}
+
+    def record(
+        self,
+        chains: list[Chain],
+        q: Tensor,  # [T, V] the batch's processed verifier rows
+        draft_ids: Tensor,  # [T]
+        p: Tensor | None,  # [T, V], None for one-hot drafts
+    ) -> None:
+        """Add one verified chain per request; lossy rules' divergences in one call per rule."""
+        by_rule: dict[object, list[Chain]] = defaultdict(list)
+        for chain in chains:
+            tally = self.tallies.setdefault(
+                chain.request_id, Tally(chain.spec.method, dict(chain.spec.params))
+            )
+            tally.drafted += chain.drafted
+            tally.accepted += min(chain.emitted - 1, chain.drafted)
+            tally.positions += chain.positions
+            if chain.positions and not chain.spec.lossless:
+                by_rule[chain.spec.rule].append(chain)
+        for rule, group in by_rule.items():
+            for chain, kl in zip(group, _divergences(rule, group, q, draft_ids, p), strict=True):
+                self.tallies[chain.request_id].kl_nats += kl
+
+    def finish(self, request_id: str) -> Tally | None:
+        """Close a request: log its line, append its JSON line, forget it."""
+        tally = self.tallies.pop(request_id, None)
+        if tally is None:
+            return None
+        kl = "not measured (no top-k)" if math.isnan(tally.kl_nats) else f"{tally.kl_nats:.4f}"
+        logger.info(
+            "cactus-spec request %s: %s, accepted %d of %d drafts, KL %s nats over %d "
+            "positions",
+            request_id, tally.method, tally.accepted, tally.drafted,
+            kl, tally.positions,
+        )
+        path = os.environ.get(METER_FILE_ENV)
+        if path:
+            line = {"request_id": request_id, **asdict(tally)}
+            line["kl_nats"] = None if math.isnan(tally.kl_nats) else tally.kl_nats
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(line) + "\n")
+        return tally
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One request's verified chain in a batch: its drafts at [start, start + drafted) of the
+    flattened token axis, of which the sampler emitted ``emitted`` tokens."""
+
+    request_id: str
+    spec: DecodeSpec
+    start: int
+    drafted: int
+    emitted: int
+
+    @property
+    def positions(self) -> int:
+        """Verified positions that emitted a token (the bonus token is not one)."""
+        return min(self.emitted, self.drafted)
+
+
+def _divergences(
+    rule: Rule, chains: list[Chain], q: Tensor, ids: Tensor, p: Tensor | None
+) -> list[float]:
+    """Each chain's KL(law || q) summed over its emitted positions; q [T, V], ids [T].
+
+    One audit call for the whole group; with draft probabilities whose union of supports is
+    too large to audit at once (NaN), one call per chain, each on its own support."""
+    index = torch.cat([torch.arange(c.start, c.start + c.positions) for c in chains])  # [P]
+    if p is None:
+        per_position = one_hot_divergences(q[index], ids[index].long(), rule)  # [P]
+    else:
+        per_position = step_divergences(p[index].float(), q[index], rule)  # [P]
+        if len(chains) > 1 and bool(per_position.isnan().any()):
+            return [_divergences(rule, [c], q, ids, p)[0] for c in chains]
+    owner = torch.repeat_interleave(torch.tensor([c.positions for c in chains]))  # [P]
+    sums = torch.zeros(len(chains), dtype=torch.float64).index_add_(0, owner, per_position)
+    return sums.tolist()

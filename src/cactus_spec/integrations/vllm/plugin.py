@@ -1,0 +1,195 @@
+"""The vLLM plugin: cactus-spec's rules inside vLLM's rejection sampling, per request.
+
+vLLM loads ``register`` (entry point ``vllm.general_plugins``) in its main process, its
+engine core and every worker. ``register`` checks the vLLM version and every patch target,
+failing loudly when one is missing, then:
+
+- wraps ``SamplingParams._verify_extra_args`` so that a bad ``cactus_*`` value is refused
+  when the request is made (a 400 from the OpenAI server, a ValueError from ``LLM``),
+  never inside the engine;
+- wraps the V1 runner's ``_sample`` to tell the sampler which spec each row asks for
+  (``requests``), and its ``_update_states`` to close the meter of finished requests;
+- replaces ``rejection_sample`` with the rule-aware one (``sampler``);
+- refuses Model Runner V2 (it verifies in its own kernels, which this plugin does not patch)
+  with a message that says how to run instead;
+- applies ``cpu_fixes`` on the versions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.integrations.vllm import cpu_fixes
+from cactus_spec.integrations.vllm.meter import Meter
+from cactus_spec.integrations.vllm.requests import PREFIX, default_spec, request_spec
+from cactus_spec.integrations.vllm.sampler import Batch, Current, make_rejection_sample
+
+#: vLLM releases whose V1 sampler and runner this plugin was read against: [low, high).
+SUPPORTED = ((0, 32), (0, 34))
+SAMPLER = "vllm.v1.sample.rejection_sampler"
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+V2_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+#: Every attribute the plugin reads or replaces, checked before anything is patched.
+TARGETS = (
+    ("vllm.sampling_params", "SamplingParams._verify_extra_args"),
+    ("vllm.exceptions", "VLLMValidationError"),
+    (RUNNER, "GPUModelRunner._sample"),
+    (RUNNER, "GPUModelRunner._update_states"),
+    (SAMPLER, "rejection_sample"),
+    (SAMPLER, "generate_uniform_probs"),
+    (SAMPLER, "sample_recovered_tokens"),
+    (SAMPLER, "_rejection_greedy_sample"),
+    (SAMPLER, "_rejection_random_sample"),
+    (SAMPLER, "PLACEHOLDER_TOKEN_ID"),
+    (SAMPLER, "GREEDY_TEMPERATURE"),
+    (V2_SAMPLER, "RejectionSampler.__init__"),
+    *cpu_fixes.TARGETS,
+)
+V2_REFUSAL = (
+    "cactus-spec's vLLM plugin applies its rules in the V1 model runner; Model Runner V2 "
+    "verifies in kernels it does not patch: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
+)
+logger = logging.getLogger("vllm.cactus_spec")
+METER = Meter()
+_registered: list[bool] = []
+
+
+def register() -> None:
+    """vLLM's entry point: check, then patch (once per process)."""
+    if _registered:
+        return
+    import vllm
+
+    check_version(vllm.__version__)
+    resolve_all(TARGETS)
+    _patch_requests()
+    _patch_runner()
+    _patch_sampler()
+    _refuse_v2()
+    cpu_fixes.apply(vllm.__version__)
+    _registered.append(True)
+
+
+def check_version(version: str) -> None:
+    """RuntimeError unless ``version`` lies in ``SUPPORTED``."""
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    low, high = SUPPORTED
+    if len(parts) != 2 or not low <= parts < high:
+        raise RuntimeError(
+            f"cactus-spec's vLLM plugin supports vLLM {low[0]}.{low[1]} up to (not including) "
+            f"{high[0]}.{high[1]}, found {version}; uninstall cactus-spec from this "
+            "environment or install a supported vLLM"
+        )
+
+
+def resolve(module: str, path: str) -> object:
+    """``module``'s attribute ``path`` ("Class.method"); RuntimeError naming it if missing."""
+    try:
+        value: object = importlib.import_module(module)
+        for name in path.split("."):
+            value = getattr(value, name)
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(
+            f"cactus-spec's vLLM plugin cannot find {module}.{path} in this vLLM ({error}); "
+            "nothing was patched"
+        ) from error
+    return value
+
+
+def resolve_all(targets: tuple[tuple[str, str], ...]) -> None:
+    for module, path in targets:
+        resolve(module, path)
+
+
+def _patch_requests() -> None:
+    params = importlib.import_module("vllm.sampling_params").SamplingParams
+    invalid = resolve("vllm.exceptions", "VLLMValidationError")
+    original = params._verify_extra_args
+
+    def _verify_extra_args(self) -> None:
+        original(self)
+        try:
+            request_spec(self.extra_args, None)
+        except ValueError as error:
+            raise invalid(str(error), parameter="extra_args") from None
+
+    params._verify_extra_args = _verify_extra_args
+
+
+@dataclass
+class _RunnerSpecs:
+    """The specs of one runner's requests: the server's default and each request's."""
+
+    default: DecodeSpec | None
+    by_request: dict[str, DecodeSpec | None]
+
+    def of(self, request_id: str, extra_args: dict | None) -> DecodeSpec | None:
+        if request_id not in self.by_request:
+            try:
+                self.by_request[request_id] = request_spec(extra_args, self.default)
+            except ValueError as error:  # refused at the request; reached only without it
+                logger.error("cactus-spec request %s: %s; decoding it with vLLM's standard "
+                             "speculative sampling", request_id, error)
+                self.by_request[request_id] = None
+        return self.by_request[request_id]
+
+
+def _specs(runner) -> _RunnerSpecs:
+    specs = runner.__dict__.get("_cactus_specs")
+    if specs is None:
+        config = runner.vllm_config.additional_config
+        specs = _RunnerSpecs(default_spec(config), {})
+        runner.__dict__["_cactus_specs"] = specs
+    return specs
+
+
+def _patch_runner() -> None:
+    runner = importlib.import_module(RUNNER).GPUModelRunner
+    sample, update_states = runner._sample, runner._update_states
+
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is None:
+            return sample(self, logits, spec_decode_metadata)
+        specs = _specs(self)
+        ids = list(self.input_batch.req_ids[: self.input_batch.num_reqs])
+        extra = [self.requests[i].sampling_params.extra_args for i in ids]
+        Current.batch = Batch(ids, [specs.of(i, e) for i, e in zip(ids, extra, strict=True)])
+        try:
+            return sample(self, logits, spec_decode_metadata)
+        finally:
+            Current.batch = None
+
+    def _update_states(self, scheduler_output):
+        specs = _specs(self)
+        for request_id in scheduler_output.finished_req_ids:
+            specs.by_request.pop(request_id, None)
+            METER.finish(request_id)
+        return update_states(self, scheduler_output)
+
+    runner._sample, runner._update_states = _sample, _update_states
+
+
+def _patch_sampler() -> None:
+    module = importlib.import_module(SAMPLER)
+    module.rejection_sample = make_rejection_sample(module, METER)
+
+
+def _refuse_v2() -> None:
+    sampler = importlib.import_module(V2_SAMPLER).RejectionSampler
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise RuntimeError(V2_REFUSAL)
+
+    sampler.__init__ = __init__
+
+
+def extra_args(method: str, **params: object) -> dict[str, object]:
+    """The ``extra_args`` (``vllm_xargs``) that ask for ``method`` with ``params``, checked:
+    ``extra_args("cactus", delta=0.5)`` -> ``{"cactus_method": "cactus", "cactus_delta": 0.5}``."""
+    values = {f"{PREFIX}method": method, **{PREFIX + k: v for k, v in params.items()}}
+    request_spec(values, None)
+    return values
+

@@ -1,0 +1,156 @@
+"""Rule-aware rejection sampling in vLLM's V1 runner, in vLLM's own kernels.
+
+vLLM verifies a batch's drafts in ``rejection_sampler.rejection_sample``: it turns the
+processed target logits into q, draws the recovered tokens from normalize(max(0, q - p)) and
+accepts with min(1, q_n / p_n). The replacement here does the same steps with the same
+kernels and the same random draws, but hands them, for each request that asks for a rule,
+the rule's target row t (``core.targets.kernel_target``) in place of q, so the kernels emit
+that rule's law. Rows that ask for nothing keep q: their tokens are vLLM's, draw for draw.
+Greedy rows (temperature 0) go through vLLM's greedy kernel untouched.
+
+Which rule each row asks for comes from ``Batch``, which the runner's ``_sample`` sets
+for the duration of one sampling call (``plugin``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.core.targets import kernel_target
+from cactus_spec.integrations.vllm.meter import Chain, Meter
+
+
+@dataclass
+class Batch:
+    """The requests of the batch being sampled, in row order, and the spec each asks for."""
+
+    request_ids: list[str]
+    specs: list[DecodeSpec | None]
+
+
+class Current:
+    """The batch of the sampling call in progress (one per worker process)."""
+
+    batch: Batch | None = None
+
+
+def spans(num_draft_tokens: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each request's drafts in the flattened token axis."""
+    ends = torch.tensor(num_draft_tokens).cumsum(0).tolist()
+    return [(end - n, end) for n, end in zip(num_draft_tokens, ends, strict=True)]
+
+
+def rule_targets(
+    q: Tensor,  # [T, V] processed verifier rows, T drafted tokens of the batch
+    draft_ids: Tensor,  # [T]
+    draft_probs: Tensor | None,  # [T, V]
+    rows: list[tuple[DecodeSpec, tuple[int, int]]],  # each rule row's spec and span
+) -> Tensor:
+    """q with each rule row's span replaced by its rule's target rows -> [T, V] float32."""
+    by_rule: dict[object, list[Tensor]] = defaultdict(list)
+    for spec, (start, end) in rows:
+        by_rule[spec.rule].append(torch.arange(start, end, device=q.device))
+    targets = q.clone()
+    for rule, pieces in by_rule.items():
+        index = torch.cat(pieces)  # [P]
+        p = None if draft_probs is None else draft_probs[index]
+        targets[index] = kernel_target(rule, q[index], draft_ids[index].long(), p)
+    return targets.contiguous()
+
+
+def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
+    """The replacement of ``vllm_sampler.rejection_sample`` (same signature)."""
+    original = vllm_sampler.rejection_sample
+    m = vllm_sampler
+
+    def rejection_sample(
+        draft_token_ids: Tensor,  # [T]
+        num_draft_tokens: list[int],  # [B]
+        max_spec_len: int,
+        cu_num_draft_tokens: Tensor,  # [B]
+        draft_probs: Tensor | None,  # [T, V]
+        target_logits: Tensor,  # [T, V]
+        bonus_token_ids: Tensor,  # [B, 1]
+        sampling_metadata,
+        synthetic_mode: bool = False,
+        synthetic_conditional_rates: Tensor | None = None,
+        use_fp64_gumbel: bool = False,
+    ) -> Tensor:
+        args = (draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        batch = Current.batch
+        rows = _rule_rows(batch, num_draft_tokens, sampling_metadata)
+        if synthetic_mode or not rows:
+            return original(*args, synthetic_mode=synthetic_mode,
+                            synthetic_conditional_rates=synthetic_conditional_rates,
+                            use_fp64_gumbel=use_fp64_gumbel)
+        device = target_logits.device
+        out = torch.full((len(num_draft_tokens), max_spec_len + 1), m.PLACEHOLDER_TOKEN_ID,
+                         dtype=torch.int32, device=device)  # [B, K+1]
+        is_greedy = sampling_metadata.temperature == m.GREEDY_TEMPERATURE  # [B]
+        uniform = m.generate_uniform_probs(
+            draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, device
+        )  # [T]
+        if not sampling_metadata.all_random:
+            m._rejection_greedy_sample(out, cu_num_draft_tokens, draft_token_ids,
+                                       target_logits.argmax(dim=-1), bonus_token_ids,
+                                       is_greedy, max_spec_len, uniform, None)
+        q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
+        targets = rule_targets(q, draft_token_ids, draft_probs, [r[1:] for r in rows])
+        recovered = m.sample_recovered_tokens(
+            max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+            draft_probs, targets, sampling_metadata, device, use_fp64_gumbel,
+        )  # [T]
+        m._rejection_random_sample(out, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                   targets, bonus_token_ids, recovered, uniform, is_greedy,
+                                   max_spec_len, None)
+        _meter(meter, rows, out, q, draft_token_ids, draft_probs)
+        return out
+
+    return rejection_sample
+
+
+def _rule_rows(
+    batch: Batch | None, num_draft_tokens: list[int], sampling_metadata
+) -> list[tuple[str, DecodeSpec, tuple[int, int]]]:
+    """(request id, spec, span) of the sampled (not greedy) rows that ask for a rule."""
+    if batch is None or sampling_metadata.all_greedy:
+        return []
+    if len(batch.specs) != len(num_draft_tokens):
+        raise RuntimeError(
+            f"cactus-spec: the batch holds {len(batch.specs)} requests but vLLM verifies "
+            f"{len(num_draft_tokens)}; this vLLM is not one the plugin supports"
+        )
+    greedy = (sampling_metadata.temperature == 0).tolist()
+    return [
+        (request_id, spec, span)
+        for request_id, spec, span, is_greedy, n in zip(
+            batch.request_ids, batch.specs, spans(num_draft_tokens), greedy,
+            num_draft_tokens, strict=True,
+        )
+        if spec is not None and not is_greedy and n > 0
+    ]
+
+
+def _meter(
+    meter: Meter,
+    rows: list[tuple[str, DecodeSpec, tuple[int, int]]],
+    out: Tensor,  # [B, K+1]
+    q: Tensor,  # [T, V]
+    draft_ids: Tensor,  # [T]
+    draft_probs: Tensor | None,  # [T, V]
+) -> None:
+    emitted = (out != -1).sum(-1).tolist()  # [B]
+    row_of = {request_id: i for i, request_id in enumerate(Current.batch.request_ids)}
+    chains = [
+        Chain(request_id, spec, start, end - start, emitted[row_of[request_id]])
+        for request_id, spec, (start, end) in rows
+    ]
+    meter.record(chains, q, draft_ids, draft_probs)

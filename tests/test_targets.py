@@ -1,0 +1,97 @@
+"""Kernel targets: the standard speculative-sampling kernel handed ``kernel_target`` emits each
+rule's exact law, and the one-hot divergence meter equals the general audit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lawcheck import random_dist
+
+from cactus_spec.core.audit import one_hot_divergences, step_divergences, step_law
+from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
+from cactus_spec.core.sampling import one_hot
+from cactus_spec.core.targets import kernel_target
+
+RULES = [
+    SpS(),
+    Cactus(0.5),
+    Cactus(2.0),
+    Cactus(0.5, exact=True),
+    Interp(0.3),
+    TopK(3),
+    TAS(),
+    TAS(epsilon=0.5, alpha=1.0),
+]
+
+
+def standard_kernel_law(targets: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Exact law of the standard kernel: row n of ``targets`` [S, S] is the target handed to the
+    kernel when n is drafted; accept min(1, t_n/p_n), else draw normalize(max(0, t - p))."""
+    targets, p = targets.double(), p.double()
+    law = torch.zeros_like(p)
+    for n in range(p.shape[0]):
+        if p[n] == 0:
+            continue
+        t = targets[n]
+        accept = min(1.0, float(t[n] / p[n]))
+        excess = (t - p).clamp(min=0.0)
+        law[n] += p[n] * accept
+        if accept < 1:
+            law += p[n] * (1 - accept) * excess / excess.sum()
+    return law
+
+
+def targets_for_every_draft(rule, q: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+    size = q.shape[-1]
+    ids = torch.arange(size)
+    p_rows = None if p is None else p.expand(size, size)
+    return kernel_target(rule, q.expand(size, size), ids, p_rows)  # [S(n), S]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_standard_kernel_with_the_target_emits_the_rules_law(rule) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        size = int(torch.randint(2, 12, (1,), generator=gen))
+        p, q = random_dist(size, gen), random_dist(size, gen, sharpness=3.0)
+        law = standard_kernel_law(targets_for_every_draft(rule, q, p), p)
+        torch.testing.assert_close(law, step_law(p, q, rule), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_one_hot_drafts_emit_the_rules_law(rule) -> None:
+    gen = torch.Generator().manual_seed(8)
+    size = 9
+    q = random_dist(size, gen, sharpness=3.0)
+    for n in range(size):
+        p = one_hot(torch.tensor(n), size).float()
+        target = kernel_target(rule, q, torch.tensor(n), None)
+        law = standard_kernel_law(target.expand(size, size), p)
+        torch.testing.assert_close(law, step_law(p, q, rule), atol=1e-6, rtol=0)
+
+
+def test_generalised_rules_hand_the_kernel_their_own_h() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q = torch.softmax(3 * torch.randn(6, 50, generator=gen), -1)
+    p = torch.softmax(torch.randn(6, 50, generator=gen), -1)
+    ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)
+    for rule in (SpS(), Cactus(1.0), Interp(0.5), TopK(4)):
+        assert torch.equal(kernel_target(rule, q, ids, p), rule.h(q, ids, p))
+
+
+def test_q_as_target_is_not_cactus() -> None:
+    """Negative control: handing the kernel q (vLLM's own target) gives SpS's law, not Cactus's."""
+    gen = torch.Generator().manual_seed(10)
+    p, q = random_dist(8, gen), random_dist(8, gen, sharpness=3.0)
+    law = standard_kernel_law(q.expand(8, 8), p)
+    assert float((law - step_law(p, q, Cactus(1.0))).abs().max()) > 1e-2
+    torch.testing.assert_close(law, step_law(p, q, SpS()), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_one_hot_meter_equals_the_general_audit(rule) -> None:
+    gen = torch.Generator().manual_seed(11)
+    q = torch.softmax(3 * torch.randn(5, 30, generator=gen), -1)
+    ids = torch.randint(0, 30, (5,), generator=gen)
+    general = step_divergences(one_hot(ids, 30).float(), q, rule)
+    torch.testing.assert_close(one_hot_divergences(q, ids, rule), general, atol=1e-9, rtol=1e-6)

@@ -1,0 +1,98 @@
+"""The vLLM plugin's reading of requests and its meter, which need no vLLM: a request's
+``cactus_*`` extra args and the server's default go through the one spec parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cactus_spec.core.audit import one_hot_divergences
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
+from cactus_spec.integrations.vllm.requests import default_spec, request_spec
+from cactus_spec.integrations.vllm.sampler import rule_targets, spans
+
+CACTUS = DecodeSpec.of("cactus", delta=0.5)
+
+
+def test_a_request_names_its_rule_with_prefixed_keys_and_text_values() -> None:
+    spec = request_spec({"cactus_method": "cactus", "cactus_delta": "0.5", "other": 1}, None)
+    assert (spec.method, dict(spec.params)) == ("cactus", {"delta": 0.5, "exact": False})
+    exact = request_spec({"cactus_method": "cactus", "cactus_exact": "true"}, None)
+    assert exact.rule.exact is True
+
+
+def test_nothing_asked_is_the_default_and_no_default_is_vllms_own() -> None:
+    default = default_spec({"cactus_spec": {"method": "cactus", "delta": 0.5}})
+    assert default == CACTUS
+    assert request_spec({"seed_like": 3}, default) == CACTUS
+    assert request_spec(None, None) is None
+    assert default_spec({}) is None and default_spec(None) is None
+    assert request_spec({"cactus_method": "sps"}, default) == DecodeSpec.of("sps")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"cactus_method": "nope"}, "cactus_method must be one of ar, sps, cactus"),
+        ({"cactus_method": "cactus", "cactus_delta": -1}, "cactus_delta must be a finite"),
+        ({"cactus_method": "cactus", "cactus_exact": 1}, "cactus_exact must be true or false"),
+        ({"cactus_method": "topk", "cactus_k": 0}, "cactus_k must be an integer >= 1"),
+        ({"cactus_delta": 0.5}, "cactus_method is required with method parameters"),
+        ({"cactus_method": "sps", "cactus_delta": 0.5}, "cactus_delta does not apply to"),
+        ({"cactus_num_draft_tokens": 4}, "cactus_num_draft_tokens does not apply in vLLM"),
+        ({"cactus_drafter": "ngram"}, "cactus_drafter does not apply in vLLM"),
+        ({"cactus_method": "ar"}, "cactus_method ar does not apply in vLLM"),
+        ({"cactus_foo": 1}, "unknown key cactus_foo; the keys are cactus_method"),
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_key(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + message):
+        request_spec(extra, None)
+
+
+def test_a_bad_default_names_the_config_key() -> None:
+    with pytest.raises(ValueError, match=r"^additional_config\.cactus_spec\.delta must be"):
+        default_spec({"cactus_spec": {"method": "cactus", "delta": "lots"}})
+    with pytest.raises(ValueError, match=r"^additional_config\.cactus_spec must be an object"):
+        default_spec({"cactus_spec": "cactus"})
+
+
+def test_rule_targets_replace_only_the_rule_rows_with_h() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.softmax(3 * torch.randn(7, 40, generator=gen), -1)  # [T, V]
+    p = torch.softmax(torch.randn(7, 40, generator=gen), -1)
+    ids = torch.multinomial(p, 1, generator=gen).squeeze(-1).to(torch.int32)
+    assert spans([3, 0, 4]) == [(0, 3), (3, 3), (3, 7)]
+    targets = rule_targets(q, ids, p, [(CACTUS, (3, 7))])
+    assert torch.equal(targets[:3], q[:3])
+    assert torch.equal(targets[3:], CACTUS.rule.h(q[3:], ids[3:].long(), p[3:]))
+
+
+def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(METER_FILE_ENV, str(tmp_path / "meter.jsonl"))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.softmax(3 * torch.randn(8, 30, generator=gen), -1)  # [T, V]
+    ids = torch.randint(0, 30, (8,), generator=gen)
+    meter = Meter()
+    # a: 4 drafts, 2 kept then a recovered token; b: 4 drafts all kept plus the bonus token
+    meter.record([Chain("a", CACTUS, 0, 4, 3), Chain("b", CACTUS, 4, 4, 5)], q, ids, None)
+    a, b = meter.finish("a"), meter.finish("b")
+    assert (a.drafted, a.accepted, a.positions) == (4, 2, 3)
+    assert (b.drafted, b.accepted, b.positions) == (4, 4, 4)
+    expected = one_hot_divergences(q, ids, CACTUS.rule)
+    assert a.kl_nats == pytest.approx(float(expected[:3].sum()))
+    assert b.kl_nats == pytest.approx(float(expected[4:].sum()))
+    lines = [json.loads(x) for x in (tmp_path / "meter.jsonl").read_text().splitlines()]
+    assert [x["request_id"] for x in lines] == ["a", "b"]
+    assert lines[0]["params"] == {"delta": 0.5, "exact": False}
+    assert meter.finish("a") is None
+
+
+def test_a_lossless_rule_spends_nothing() -> None:
+    q = torch.softmax(torch.randn(4, 10), -1)
+    meter = Meter()
+    meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2)], q, torch.zeros(4).long(), None)
+    assert meter.finish("s").kl_nats == 0.0
