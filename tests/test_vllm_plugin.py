@@ -11,6 +11,7 @@ import torch
 from cactus_spec.core.audit import one_hot_divergences
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
+from cactus_spec.integrations.vllm.plugin import check_version, resolve, resolve_all
 from cactus_spec.integrations.vllm.requests import default_spec, request_spec
 from cactus_spec.integrations.vllm.sampler import rule_targets, spans
 
@@ -96,3 +97,19 @@ def test_a_lossless_rule_spends_nothing() -> None:
     meter = Meter()
     meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2)], q, torch.zeros(4).long(), None)
     assert meter.finish("s").kl_nats == 0.0
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
+def test_an_unsupported_vllm_is_refused_by_name(version: str) -> None:
+    with pytest.raises(RuntimeError, match=f"supports vLLM 0.32 up to .* found {version}"):
+        check_version(version)
+    check_version("0.32.0")
+    check_version("0.33.1rc1")
+
+
+def test_a_missing_patch_target_is_named_and_nothing_is_patched() -> None:
+    assert resolve("json", "JSONDecoder.decode") is json.JSONDecoder.decode
+    with pytest.raises(RuntimeError, match=r"cannot find json\.JSONDecoder\.nope .* nothing"):
+        resolve_all((("json", "loads"), ("json", "JSONDecoder.nope")))
+    with pytest.raises(RuntimeError, match=r"cannot find no_such_module\.x"):
+        resolve("no_such_module", "x")
