@@ -30,6 +30,7 @@ def spec_of(
     spec = parse_spec({**given, "num_draft_tokens": 1 if k is None else k})
     return spec if k is not None else spec.with_num_draft_tokens(None)
 
+
 LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
 
 

@@ -7,7 +7,13 @@ import pytest
 import torch
 from lawcheck import random_dist
 
-from cactus_spec.core.audit import one_hot_divergences, step_divergences, step_law
+from cactus_spec.core.audit import (
+    kl,
+    lump_outside_q,
+    one_hot_divergences,
+    step_divergences,
+    step_law,
+)
 from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.targets import kernel_target
@@ -95,3 +101,28 @@ def test_one_hot_meter_equals_the_general_audit(rule) -> None:
     ids = torch.randint(0, 30, (5,), generator=gen)
     general = step_divergences(one_hot(ids, 30).float(), q, rule)
     torch.testing.assert_close(one_hot_divergences(q, ids, rule), general, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_lumping_the_drafts_mass_outside_q_keeps_the_divergence_exact(rule) -> None:
+    """A full-support draft against a top-k verifier: the lumped audit equals the full one."""
+    gen = torch.Generator().manual_seed(12)
+    p = torch.softmax(torch.randn(3, 40, generator=gen), -1)  # full support
+    logits = 3 * torch.randn(3, 40, generator=gen)
+    q = torch.softmax(logits.masked_fill(logits < logits.topk(5).values[:, -1:], -1e9), -1)
+    q = torch.where(q < 1e-30, torch.zeros_like(q), q)  # top-5 support per row
+    full = kl(step_law(p, q, rule), q)
+    p_l, q_l = lump_outside_q(p, q)
+    assert p_l.shape[-1] < 16
+    torch.testing.assert_close(kl(step_law(p_l, q_l, rule), q_l), full, atol=1e-7, rtol=1e-6)
+
+
+def test_a_wide_draft_is_measured_through_the_lump(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(13)
+    p = torch.softmax(torch.randn(2, 64, generator=gen) + 4 * (torch.arange(64) < 6), -1)
+    q = torch.zeros(2, 64)
+    q[:, :4] = torch.softmax(torch.randn(2, 4, generator=gen), -1)
+    expected = kl(step_law(p, q, Cactus(0.5)), q)
+    monkeypatch.setattr("cactus_spec.core.audit.MAX_AUDIT_SUPPORT", 16)  # p alone is too wide
+    assert float(expected.max()) > 1e-3
+    torch.testing.assert_close(step_divergences(p, q, Cactus(0.5)), expected, atol=1e-6, rtol=1e-5)

@@ -41,16 +41,36 @@ def server(tmp_path_factory):
     meter = tmp_path_factory.mktemp("vllm") / "meter.jsonl"
     port = free_port()
     env = {**os.environ, "CACTUS_SPEC_VLLM_METER": str(meter), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
     log = open(meter.with_suffix(".log"), "w")  # noqa: SIM115 (closed at teardown)
     process = subprocess.Popen(
         # vllm-cpu's `vllm` command looks up the metadata of a package called vllm and fails
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--port", str(port),
-         "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
-         "--served-model-name", "smol", "--speculative-config", json.dumps(spec)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--max-model-len",
+            "1024",
+            "--seed",
+            "0",
+            "--served-model-name",
+            "smol",
+            "--speculative-config",
+            json.dumps(spec),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     deadline = time.monotonic() + 400
@@ -73,8 +93,13 @@ def server(tmp_path_factory):
 def complete(client, prompt: str, seed: int, xargs: dict | None = None, **options) -> str:
     extra = {"vllm_xargs": xargs} if xargs else None
     response = client.completions.create(
-        model="smol", prompt=prompt, max_tokens=options.pop("max_tokens", 48), seed=seed,
-        temperature=options.pop("temperature", 0.8), extra_body=extra, **options,
+        model="smol",
+        prompt=prompt,
+        max_tokens=options.pop("max_tokens", 48),
+        seed=seed,
+        temperature=options.pop("temperature", 0.8),
+        extra_body=extra,
+        **options,
     )
     return response.choices[0].text
 
@@ -140,10 +165,14 @@ def test_a_mixed_batch_gives_each_request_its_own_rule(server) -> None:
     assert all(texts)
     new = meter_lines(client, meter)[before:]
     got = sorted((x["method"], json.dumps(x["params"], sort_keys=True)) for x in new)
-    want = sorted([
-        ("topk", '{"k": 3}'), ("tas", '{"alpha": 0.3, "epsilon": 0.2}'),
-        ("interp", '{"alpha": 0.25}'), ("cactus", '{"delta": 1.5, "exact": false}'),
-    ])
+    want = sorted(
+        [
+            ("topk", '{"k": 3}'),
+            ("tas", '{"alpha": 0.3, "epsilon": 0.2}'),
+            ("interp", '{"alpha": 0.25}'),
+            ("cactus", '{"delta": 1.5, "exact": false}'),
+        ]
+    )
     assert got == want
     assert all(x["positions"] > 0 for x in new)
 

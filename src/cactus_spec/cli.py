@@ -226,8 +226,9 @@ def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, st
     """--verifier/--draft, else the default pair (known names: loaded only once fetched). A
     --draft where nothing is drafted by a model is refused."""
     if args.draft and not needs_draft:
-        raise ValueError("--draft does not apply: nothing is drafted by a model (--method ar or "
-                         "--drafter ngram)")
+        raise ValueError(
+            "--draft does not apply: nothing is drafted by a model (--method ar or --drafter ngram)"
+        )
     verifier = args.verifier or DEFAULT_PAIR[0]
     return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 

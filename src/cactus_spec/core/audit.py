@@ -89,15 +89,37 @@ def restrict_to_support(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
     return p[..., support], q[..., support]
 
 
+def lump_outside_q(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """p and q [..., V] on the tokens where any row of q is positive, plus one last token that
+    holds each row's draft mass outside them (q = 0 there) -> [..., S+1].
+
+    Exact for every rule of ``rules``: a drafted token n outside supp(q) has the same
+    acceptance probability and the same residual whichever n it is (q_n = 0 gives SpS and
+    Cactus h = q and a(n) = 0; TopK and TAS reject it; Interp accepts it with probability
+    alpha and keeps the same residual), so all of them act as one token of their total mass,
+    and the law outside supp(q) is the lumped token's. A draft with full support (vLLM's draft
+    probabilities have no top-k) is then audited on the verifier's support alone.
+    """
+    support = (q > 0).reshape(-1, q.shape[-1]).any(0).nonzero().squeeze(-1)  # [S]
+    p_in, q_in = p[..., support], q[..., support]  # [..., S]
+    rest = (1 - p_in.sum(-1, keepdim=True, dtype=torch.float64)).clamp(min=0.0)  # [..., 1]
+    return torch.cat([p_in, rest.to(p.dtype)], -1), torch.cat(
+        [q_in, torch.zeros_like(rest).to(q.dtype)], -1
+    )
+
+
 def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     """KL(law_i || q_i) in nats for each position i: p, q [P, V] -> [P] (float64).
 
-    All positions share one support (the union of theirs), so a whole verified
-    block is audited in one call. A support above MAX_AUDIT_SUPPORT tokens (an
-    unrestricted vocabulary: no top-k or top-p) gives NaN, "not measured", rather
-    than building V x V matrices.
+    All positions share one support (the union of theirs), so a whole verified block is
+    audited in one call. When the draft's support makes that too large, the draft's mass
+    outside the verifier's support is lumped into one token (``lump_outside_q``, exact). A
+    verifier support above MAX_AUDIT_SUPPORT tokens (an unrestricted vocabulary: no top-k or
+    top-p) gives NaN, "not measured", rather than building V x V matrices.
     """
     p_s, q_s = restrict_to_support(p, q)
+    if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
+        p_s, q_s = lump_outside_q(p, q)
     if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
         return torch.full(q_s.shape[:-1], float("nan"), dtype=torch.float64)
     return kl(step_law(p_s, q_s, rule), q_s)

@@ -38,4 +38,3 @@ def kernel_target(rule: Rule, q: Tensor, draft_ids: Tensor, p: Tensor | None) ->
     target = p_row + rule.residual(q, draft_ids, p)  # [..., V]
     at_draft = (accept * draft_prob_at(p, draft_ids)).unsqueeze(-1)  # [..., 1]
     return target.scatter(-1, draft_ids.unsqueeze(-1), at_draft)
-

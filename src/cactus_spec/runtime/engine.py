@@ -326,8 +326,7 @@ def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
     check_int("max_draft_tokens", given)
     if spec.num_draft_tokens is not None and spec.drafts and spec.num_draft_tokens > given:
         raise ValueError(
-            f"num_draft_tokens ({spec.num_draft_tokens}) must not exceed max_draft_tokens "
-            f"({given})"
+            f"num_draft_tokens ({spec.num_draft_tokens}) must not exceed max_draft_tokens ({given})"
         )
     return given
 

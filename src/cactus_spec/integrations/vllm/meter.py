@@ -82,10 +82,13 @@ class Meter:
             return None
         kl = "not measured (no top-k)" if math.isnan(tally.kl_nats) else f"{tally.kl_nats:.4f}"
         logger.info(
-            "cactus-spec request %s: %s, accepted %d of %d drafts, KL %s nats over %d "
-            "positions",
-            request_id, tally.method, tally.accepted, tally.drafted,
-            kl, tally.positions,
+            "cactus-spec request %s: %s, accepted %d of %d drafts, KL %s nats over %d positions",
+            request_id,
+            tally.method,
+            tally.accepted,
+            tally.drafted,
+            kl,
+            tally.positions,
         )
         path = os.environ.get(METER_FILE_ENV)
         if path:

@@ -131,8 +131,12 @@ class _RunnerSpecs:
             try:
                 self.by_request[request_id] = request_spec(extra_args, self.default)
             except ValueError as error:  # refused at the request; reached only without it
-                logger.error("cactus-spec request %s: %s; decoding it with vLLM's standard "
-                             "speculative sampling", request_id, error)
+                logger.error(
+                    "cactus-spec request %s: %s; decoding it with vLLM's standard "
+                    "speculative sampling",
+                    request_id,
+                    error,
+                )
                 self.by_request[request_id] = None
         return self.by_request[request_id]
 
@@ -192,4 +196,3 @@ def extra_args(method: str, **params: object) -> dict[str, object]:
     values = {f"{PREFIX}method": method, **{PREFIX + k: v for k, v in params.items()}}
     request_spec(values, None)
     return values
-

@@ -83,34 +83,74 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         synthetic_conditional_rates: Tensor | None = None,
         use_fp64_gumbel: bool = False,
     ) -> Tensor:
-        args = (draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
-                draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        args = (
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+        )
         batch = Current.batch
         rows = _rule_rows(batch, num_draft_tokens, sampling_metadata)
         if synthetic_mode or not rows:
-            return original(*args, synthetic_mode=synthetic_mode,
-                            synthetic_conditional_rates=synthetic_conditional_rates,
-                            use_fp64_gumbel=use_fp64_gumbel)
+            return original(
+                *args,
+                synthetic_mode=synthetic_mode,
+                synthetic_conditional_rates=synthetic_conditional_rates,
+                use_fp64_gumbel=use_fp64_gumbel,
+            )
         device = target_logits.device
-        out = torch.full((len(num_draft_tokens), max_spec_len + 1), m.PLACEHOLDER_TOKEN_ID,
-                         dtype=torch.int32, device=device)  # [B, K+1]
+        out = torch.full(
+            (len(num_draft_tokens), max_spec_len + 1),
+            m.PLACEHOLDER_TOKEN_ID,
+            dtype=torch.int32,
+            device=device,
+        )  # [B, K+1]
         is_greedy = sampling_metadata.temperature == m.GREEDY_TEMPERATURE  # [B]
         uniform = m.generate_uniform_probs(
             draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, device
         )  # [T]
         if not sampling_metadata.all_random:
-            m._rejection_greedy_sample(out, cu_num_draft_tokens, draft_token_ids,
-                                       target_logits.argmax(dim=-1), bonus_token_ids,
-                                       is_greedy, max_spec_len, uniform, None)
+            m._rejection_greedy_sample(
+                out,
+                cu_num_draft_tokens,
+                draft_token_ids,
+                target_logits.argmax(dim=-1),
+                bonus_token_ids,
+                is_greedy,
+                max_spec_len,
+                uniform,
+                None,
+            )
         q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
         targets = rule_targets(q, draft_token_ids, draft_probs, [r[1:] for r in rows])
         recovered = m.sample_recovered_tokens(
-            max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
-            draft_probs, targets, sampling_metadata, device, use_fp64_gumbel,
+            max_spec_len,
+            num_draft_tokens,
+            cu_num_draft_tokens,
+            draft_token_ids,
+            draft_probs,
+            targets,
+            sampling_metadata,
+            device,
+            use_fp64_gumbel,
         )  # [T]
-        m._rejection_random_sample(out, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                   targets, bonus_token_ids, recovered, uniform, is_greedy,
-                                   max_spec_len, None)
+        m._rejection_random_sample(
+            out,
+            cu_num_draft_tokens,
+            draft_token_ids,
+            draft_probs,
+            targets,
+            bonus_token_ids,
+            recovered,
+            uniform,
+            is_greedy,
+            max_spec_len,
+            None,
+        )
         _meter(meter, rows, out, q, draft_token_ids, draft_probs)
         return out
 
@@ -132,8 +172,12 @@ def _rule_rows(
     return [
         (request_id, spec, span)
         for request_id, spec, span, is_greedy, n in zip(
-            batch.request_ids, batch.specs, spans(num_draft_tokens), greedy,
-            num_draft_tokens, strict=True,
+            batch.request_ids,
+            batch.specs,
+            spans(num_draft_tokens),
+            greedy,
+            num_draft_tokens,
+            strict=True,
         )
         if spec is not None and not is_greedy and n > 0
     ]
