@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -383,9 +384,10 @@ def test_a_client_that_leaves_a_whole_answer_frees_its_row(one: Served) -> None:
 
 @pytest.fixture(scope="module")
 def strict(one: Served):
-    """The same scheduler behind an app that reads at most 1000 bytes within 0.5 s."""
+    """The same scheduler behind an app that reads at most 1000 bytes within 0.5 s, and
+    waits 0.5 s for a request's head."""
     app = create_app(one.scheduler, ServerConfig(MODEL_ID, None, 32, 1000, 0.5))
-    with BackgroundServer(app) as url:
+    with BackgroundServer(app, header_timeout_s=0.5) as url:
         yield url.removeprefix("http://")
 
 
@@ -410,3 +412,72 @@ def test_a_body_that_never_arrives_is_408(strict) -> None:
     reply = client.recv(4096).decode()
     client.close()
     assert reply.startswith("HTTP/1.1 408"), reply[:80]
+
+
+def send_raw(address: str, data: bytes, wait_s: float = 10.0) -> str:
+    """What the server answers ``data`` within ``wait_s`` ("" if nothing, the socket open)."""
+    host, port = address.split(":")
+    client = socket.create_connection((host, int(port)))
+    client.sendall(data)
+    client.settimeout(wait_s)
+    try:
+        return client.recv(4096).decode()
+    except TimeoutError:
+        return ""
+    finally:
+        client.close()
+
+
+def test_a_head_that_never_ends_is_408_and_closed(strict) -> None:
+    reply = send_raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
+    assert reply.startswith("HTTP/1.1 408"), reply[:80]
+    assert "the request head did not arrive within 0.5 s" in reply
+
+
+def test_uvicorn_alone_holds_a_half_sent_head(one: Served) -> None:
+    """The negative control: uvicorn's own protocol waits on (here for 1.5 s, the test's
+    patience; it would wait forever)."""
+    import uvicorn
+
+    app = create_app(one.scheduler, ServerConfig(MODEL_ID, None, 32))
+    port = socket.create_server(("127.0.0.1", 0)).getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, port=port, http="h11", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        assert send_raw(f"127.0.0.1:{port}", b"POST /v1/completions HTTP/1.1\r\nHo", 1.5) == ""
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_the_head_deadline_ends_with_the_head(strict) -> None:
+    """An answer that takes longer than the head's 0.5 s is not cut, and the connection then
+    serves another request."""
+    connection = http.client.HTTPConnection(strict, timeout=60)
+    body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 100, "stream": True}
+    began = time.monotonic()
+    connection.request("POST", "/v1/completions", body=json.dumps(body))
+    response = connection.getresponse()
+    text = response.read().decode()
+    assert time.monotonic() - began > 0.5
+    assert response.status == 200 and text.rstrip().endswith("data: [DONE]")
+    connection.request("GET", "/v1/models")
+    assert connection.getresponse().status == 200
+
+
+def test_a_client_that_leaves_mid_body_logs_no_traceback(strict, caplog) -> None:
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    host, port = strict.split(":")
+    client = socket.create_connection((host, int(port)))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    client.sendall(head + b'{"model": ')
+    time.sleep(0.1)
+    client.close()
+    time.sleep(0.5)
+    uvicorn_log.removeHandler(caplog.handler)
+    noisy = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert noisy == [], [r.getMessage() for r in noisy]

@@ -26,3 +26,16 @@ def test_model_runner_v2_is_refused_with_how_to_run_instead(plugin) -> None:
 
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         RejectionSampler()
+
+
+def test_offline_sampling_params_refuse_a_bad_value(plugin) -> None:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="cactus_k must be an integer >= 1"):
+        SamplingParams(extra_args={"cactus_method": "topk", "cactus_k": "0"})
+    good = plugin.extra_args("cactus", delta=0.5, exact=True)
+    assert good == {"cactus_method": "cactus", "cactus_delta": 0.5, "cactus_exact": True}
+    assert SamplingParams(extra_args=good).extra_args == good
+    with pytest.raises(ValueError, match="cactus_delta must be a finite number"):
+        plugin.extra_args("cactus", delta=float("nan"))

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -40,7 +41,12 @@ def server(tmp_path_factory):
         pytest.fail(f"{MODEL_ENV} must name SmolLM2's dense folder (make test-vllm sets it)")
     meter = tmp_path_factory.mktemp("vllm") / "meter.jsonl"
     port = free_port()
-    env = {**os.environ, "CACTUS_SPEC_VLLM_METER": str(meter), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {
+        **os.environ,
+        "CACTUS_SPEC_VLLM_METER": str(meter),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("prometheus")),
+    }
     spec = {
         "method": "ngram",
         "num_speculative_tokens": 4,
@@ -197,3 +203,25 @@ def test_greedy_requests_are_vllms_own(server) -> None:
     client, _ = server
     plain = complete(client, PROMPTS[2], 0, temperature=0.0)
     assert complete(client, PROMPTS[2], 0, cactus(4.0), temperature=0.0) == plain
+
+
+def test_the_meter_reaches_prometheus(server) -> None:
+    """The worker's counters on the API server's /metrics agree with the meter's lines."""
+    client, meter = server
+    lines = meter_lines(client, meter)
+    url = str(client.base_url).replace("/v1/", "/metrics")
+    values = {}
+    for row in httpx.get(url).text.splitlines():
+        if row.startswith("cactus_spec:"):
+            name, value = row.rsplit(" ", 1)
+            values[name] = float(value)
+    for method in ("cactus", "sps", "topk"):
+        mine = [x for x in lines if x["method"] == method]
+        label = f'{{method="{method}"}}'
+        assert values[f"cactus_spec:requests_total{label}"] == len(mine)
+        assert values[f"cactus_spec:drafted_tokens_total{label}"] == sum(x["drafted"] for x in mine)
+        assert values[f"cactus_spec:accepted_tokens_total{label}"] == sum(
+            x["accepted"] for x in mine
+        )
+    kl = sum(x["kl_nats"] for x in lines if x["method"] == "cactus")
+    assert values['cactus_spec:kl_nats_total{method="cactus"}'] == pytest.approx(kl)

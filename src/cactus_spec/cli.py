@@ -162,6 +162,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="seconds a request body may take to arrive; slower ones get 408 (default 30)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        help="seconds a connection may take to send a request's head; slower ones get 408 "
+        "(default 10)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        help="on SIGTERM, seconds in-flight requests may run on (new ones get 503) before they "
+        "are ended (default 30)",
+    )
     p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
     p.add_argument(
         "--api-key",
@@ -417,10 +429,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from cactus_spec.server.app import ServerConfig, create_app
-    from cactus_spec.server.run import start_scheduler
+    from cactus_spec.server.app import SHUTDOWN_GRACE_S, ServerConfig, create_app
+    from cactus_spec.server.run import HEADER_TIMEOUT_S, serve, start_scheduler
 
     spec = _spec(args)
     _check_counts(args, ("max_batch", "max_queue", "default_max_tokens"))
@@ -428,6 +438,12 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_counts(args, ("max_request_bytes",))
     if args.body_timeout is not None and not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    header_timeout = HEADER_TIMEOUT_S if args.header_timeout is None else args.header_timeout
+    grace = SHUTDOWN_GRACE_S if args.shutdown_grace is None else args.shutdown_grace
+    if not header_timeout > 0:
+        raise ValueError(f"--header-timeout must be > 0 seconds, got {header_timeout}")
+    if not grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {grace}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)
@@ -441,8 +457,9 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own
     config = ServerConfig(model_id, args.api_key, args.default_max_tokens, **given)
+    app = create_app(scheduler, config)
     try:
-        uvicorn.run(create_app(scheduler, config), host=args.host, port=args.port)
+        serve(app, args.host, args.port, app.state.drain, grace, header_timeout)
     finally:
         scheduler.stop()
     return 0

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.generation import GenerationResult
@@ -40,8 +41,11 @@ DEFAULT_MAX_TOKENS = 256
 MAX_REQUEST_BYTES = 4 * 2**20
 #: Seconds a request's body may take to arrive once its headers have.
 BODY_TIMEOUT_S = 30.0
+#: Seconds in-flight requests may run on after SIGTERM before they are ended.
+SHUTDOWN_GRACE_S = 30.0
 #: How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.25
+_SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,11 @@ class ServerConfig:
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
-    """The FastAPI app over a started ``scheduler``."""
+    """The FastAPI app over a started ``scheduler``. ``app.state.drain(grace)`` is what
+    SIGTERM runs (``run.serve``): see ``_Handler.drain``."""
     app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
     handler = _Handler(scheduler, config)
+    app.state.drain = handler.drain
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
@@ -72,7 +78,9 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
         app.add_middleware(_RequireKey, key=config.api_key)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
+        if handler.closing:  # load balancers stop sending here
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -122,7 +130,8 @@ class _RequireKey:
 
 async def _json(request: HTTPRequest, config: ServerConfig) -> object:
     """The request's JSON body: 413 past ``max_request_bytes`` (read no further), 408 when
-    it does not arrive within ``body_timeout_s``, 400 when it is not JSON."""
+    it does not arrive within ``body_timeout_s``, 400 when it is not JSON or the client
+    left before it arrived."""
     limit = config.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -133,6 +142,8 @@ async def _json(request: HTTPRequest, config: ServerConfig) -> object:
         raise APIError(
             408, f"the request body did not arrive within {config.body_timeout_s:g} s"
         ) from None
+    except ClientDisconnect:  # gone mid-body: nobody to answer, nothing to log
+        raise APIError(400, "the client closed the connection before its body arrived") from None
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
@@ -161,6 +172,22 @@ class _Handler:
         self.scheduler = scheduler
         self.engine = scheduler.engine
         self.config = config
+        self.closing = False
+        self.live: dict[Request, asyncio.Queue] = {}  # submitted, not yet answered
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting (503), let the live requests run up to ``grace_s`` seconds, then end
+        the rest: a stream gets a final error event and [DONE], a whole answer a 503."""
+        self.closing = True
+        deadline = time.monotonic() + grace_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for pending, events in list(self.live.items()):
+            self.scheduler.cancel(pending)
+            events.put_nowait(("shutdown", None))
+        deadline = time.monotonic() + 5.0  # their answers go out
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def request(self, body: SamplingFields, chat: bool) -> Request:
         """The scheduler request of ``body``: every field checked, 400 naming the bad one."""
@@ -213,6 +240,8 @@ class _Handler:
             raise APIError(400, f"{param}: {err}", param) from None
 
     async def run(self, request: HTTPRequest, body: SamplingFields, chat: bool):
+        if self.closing:
+            raise APIError(503, f"{_SHUTTING_DOWN}; retry elsewhere", code="shutting_down")
         pending = self.request(body, chat)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -226,13 +255,17 @@ class _Handler:
             self.scheduler.submit(pending)
         except QueueFullError as err:
             raise APIError(429, f"{err}; retry later", code="queue_full") from None
+        self.live[pending] = events
         answer = _Answer(self.config.model_id, chat, len(pending.prompt_ids))
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(pending, events, answer, usage), media_type="text/event-stream"
             )
-        return await self._whole(request, pending, events, answer)
+        try:
+            return await self._whole(request, pending, events, answer)
+        finally:
+            self.live.pop(pending, None)
 
     async def _whole(self, request: HTTPRequest, pending: Request, events: asyncio.Queue, answer):
         """Wait for the result, cancelling it if the client goes away."""
@@ -246,6 +279,8 @@ class _Handler:
                 continue
             if kind == "error":
                 raise APIError(500, f"decoding failed: {value}")
+            if kind == "shutdown":
+                raise APIError(503, f"{_SHUTTING_DOWN}; the answer was not finished")
             if kind == "done":
                 return answer.whole(value)
 
@@ -264,6 +299,9 @@ class _Handler:
                 elif kind == "error":
                     yield _sse(APIError(500, f"decoding failed: {value}").body())
                     break
+                elif kind == "shutdown":
+                    yield _sse(APIError(503, f"{_SHUTTING_DOWN}; the answer ends here").body())
+                    break
                 else:
                     yield _sse(answer.chunk("", value.finish_reason or "stop"))
                     if usage:
@@ -278,6 +316,7 @@ class _Handler:
             finished = True
             yield "data: [DONE]\n\n"
         finally:
+            self.live.pop(pending, None)
             if not finished:
                 self.scheduler.cancel(pending)
 

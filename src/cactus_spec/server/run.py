@@ -1,11 +1,23 @@
-"""Starting the server: the engine's scheduler and policy, and uvicorn on a thread."""
+"""Starting the server: the engine's scheduler and policy, and uvicorn, in the foreground
+(``serve``: draining on SIGTERM) or on a thread (``BackgroundServer``).
+
+Both run uvicorn's h11 protocol with a deadline on each request's head (``_HeadTimeout``):
+uvicorn itself waits forever for headers, so a client that sends half a head holds a socket.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import json
 import socket
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cactus_spec.core.checks import check_int
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -29,17 +41,129 @@ def start_scheduler(
     return scheduler
 
 
+#: Seconds a connection may take to send a request's head (from opening, or from its last
+#: response); then it gets 408 and is closed.
+HEADER_TIMEOUT_S = 10.0
+
+
+class _HeadTimeout(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a whole head arrived
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self.head_timer = self.loop.call_later(self.header_timeout_s, self._late)
+
+    def _disarm(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _late(self) -> None:
+        self.head_timer = None
+        if self.transport.is_closing():
+            return
+        message = f"the request head did not arrive within {self.header_timeout_s:g} s"
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def _config(app, host: str, port: int, header_timeout_s: float) -> uvicorn.Config:
+    protocol = functools.partial(_HeadTimeout, header_timeout_s=header_timeout_s)
+    return uvicorn.Config(app, host=host, port=port, http=protocol, log_level="warning")
+
+
+def serve(
+    app,
+    host: str,
+    port: int,
+    drain: Callable[[float], Awaitable[None]],
+    shutdown_grace_s: float,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> None:
+    """Serve ``app`` until a signal. The first SIGTERM or SIGINT calls ``drain(grace)`` (the
+    app stops admitting, lets in-flight requests run up to the grace, ends the rest with a
+    final event), then uvicorn shuts down; a second signal exits at once."""
+    _DrainingServer(_config(app, host, port, header_timeout_s), drain, shutdown_grace_s).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains the app before uvicorn shuts down."""
+
+    def __init__(self, config, drain: Callable[[float], Awaitable[None]], grace: float) -> None:
+        super().__init__(config)
+        self.drain, self.grace = drain, grace
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining or self.loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True  # then a clean exit (status 0), the signal handled
+        asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
+
+    async def _drain(self) -> None:
+        await self.drain(self.grace)
+        self.should_exit = True
+
+
 class BackgroundServer:
     """The app served by uvicorn on a thread of this process (for benchmarks and tests):
     ``with BackgroundServer(app) as url: ...`` gives the base URL, e.g. http://127.0.0.1:PORT."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
         import uvicorn
 
         self.host = host
         self.port = port or _free_port(host)
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(_config(app, host, self.port, header_timeout_s))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def __enter__(self) -> str:

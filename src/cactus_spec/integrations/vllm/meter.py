@@ -10,9 +10,10 @@ the request samples from (after temperature, top-k, top-p and penalties):
 - drafts with probabilities: ``audit.step_divergences``, exact on the union of supports,
   NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k).
 
-When a request finishes, the worker logs one line and, where the environment variable
-``CACTUS_SPEC_VLLM_METER`` names a file, appends one JSON line to it (request id, spec,
-drafted, accepted, emitted positions, kl_nats).
+When a request finishes (the worker learns it at its next step), the worker logs one line,
+appends one JSON line (request id, method, params, drafted, accepted, emitted positions,
+kl_nats) to the file ``CACTUS_SPEC_VLLM_METER`` names, if any, and hands the tally to
+``export`` (the plugin's Prometheus counters).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,10 +50,12 @@ class Tally:
 
 
 class Meter:
-    """Tallies by request id, filled by the sampler and closed when a request finishes."""
+    """Tallies by request id, filled by the sampler and closed when a request finishes;
+    ``export`` receives each closed tally (the plugin's Prometheus counters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, export: Callable[[Tally], None] | None = None) -> None:
         self.tallies: dict[str, Tally] = {}
+        self.export = export
 
     def record(
         self,
@@ -96,6 +100,8 @@ class Meter:
             line["kl_nats"] = None if math.isnan(tally.kl_nats) else tally.kl_nats
             with open(path, "a", encoding="utf-8") as out:
                 out.write(json.dumps(line) + "\n")
+        if self.export is not None:
+            self.export(tally)
         return tally
 
 

@@ -12,18 +12,21 @@ failing loudly when one is missing, then:
 - replaces ``rejection_sample`` with the rule-aware one (``sampler``);
 - refuses Model Runner V2 (it verifies in its own kernels, which this plugin does not patch)
   with a message that says how to run instead;
-- applies ``cpu_fixes`` on the versions that need them.
+- applies ``cpu_fixes`` on the versions that need them;
+- gives the meter its Prometheus counters (``COUNTERS``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm import cpu_fixes
-from cactus_spec.integrations.vllm.meter import Meter
+from cactus_spec.integrations.vllm.meter import Meter, Tally
 from cactus_spec.integrations.vllm.requests import PREFIX, default_spec, request_spec
 from cactus_spec.integrations.vllm.sampler import Batch, Current, make_rejection_sample
 
@@ -54,6 +57,14 @@ V2_REFUSAL = (
 )
 logger = logging.getLogger("vllm.cactus_spec")
 METER = Meter()
+#: The meter's Prometheus counters, by method: they reach vLLM's /metrics from the worker
+#: when PROMETHEUS_MULTIPROC_DIR names a directory (prometheus_client's multiprocess mode).
+COUNTERS = (
+    ("cactus_spec:requests", "requests decoded with a cactus-spec rule", None),
+    ("cactus_spec:drafted_tokens", "drafted tokens verified", "drafted"),
+    ("cactus_spec:accepted_tokens", "drafted tokens accepted", "accepted"),
+    ("cactus_spec:kl_nats", "exact KL(law || q) spent, in nats (measured requests)", "kl_nats"),
+)
 _registered: list[bool] = []
 
 
@@ -65,6 +76,7 @@ def register() -> None:
 
     check_version(vllm.__version__)
     resolve_all(TARGETS)
+    METER.export = _prometheus_export()
     _patch_requests()
     _patch_runner()
     _patch_sampler()
@@ -102,6 +114,21 @@ def resolve(module: str, path: str) -> object:
 def resolve_all(targets: tuple[tuple[str, str], ...]) -> None:
     for module, path in targets:
         resolve(module, path)
+
+
+def _prometheus_export() -> Callable[[Tally], None]:
+    """Add each finished request's tally to the counters (NaN KL: not measured, not added)."""
+    from prometheus_client import Counter
+
+    counters = [(Counter(name, text, ["method"]), field) for name, text, field in COUNTERS]
+
+    def export(tally: Tally) -> None:
+        for counter, field in counters:
+            value = 1.0 if field is None else float(getattr(tally, field))
+            if not math.isnan(value):
+                counter.labels(method=tally.method).inc(value)
+
+    return export
 
 
 def _patch_requests() -> None:

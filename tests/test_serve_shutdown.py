@@ -1,0 +1,102 @@
+"""`cactus-spec serve` as a process under SIGTERM: it stops admitting (503), lets in-flight
+requests run up to --shutdown-grace, ends the rest with a final event, and exits 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 3.0
+
+
+def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request(method, path, body=None if body is None else json.dumps(body))
+    response = connection.getresponse()
+    return response.status, json.loads(response.read() or b"{}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    cli = Path(sys.executable).with_name("cactus-spec")
+    command = [str(cli), "serve", "--verifier", "smollm2-135m", "--drafter", "ngram",
+               "--policy", "fixed", "--port", str(port), "--max-batch", "4",
+               "--shutdown-grace", str(GRACE_S), "--dtype", "float32"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if call(port, "GET", "/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("serve did not start:\n" + (tmp_path / "serve.log").read_text()[-2000:])
+        time.sleep(0.2)
+    yield process, port
+    if process.poll() is None:
+        process.kill()
+    log.close()
+
+
+def stream(port: int, max_tokens: int, events: list, first: threading.Event) -> None:
+    body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "stream": True, "seed": 0}  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps(body))
+    response = connection.getresponse()
+    while line := response.readline():
+        if line.startswith(b"data: "):
+            events.append(line[len(b"data: ") :].decode().strip())
+            first.set()
+
+
+def test_sigterm_drains_then_ends_what_is_left_and_exits(server) -> None:
+    process, port = server
+    long_events: list[str] = []
+    short_events: list[str] = []
+    started = [threading.Event(), threading.Event()]
+    threads = [
+        threading.Thread(target=stream, args=(port, 1500, long_events, started[0])),
+        threading.Thread(target=stream, args=(port, 40, short_events, started[1])),
+    ]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in started)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert call(port, "GET", "/health")[0] == 503
+    status, late = call(port, "POST", "/v1/completions", {"model": "smollm2-135m", "prompt": "Hi"})
+    assert status == 503 and "shutting down" in late["error"]["message"]
+    for thread in threads:
+        thread.join(GRACE_S + 30)
+    # the short stream finished on its own within the grace
+    assert short_events[-1] == "[DONE]"
+    assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    # the long one was ended at the grace, with an error event, then [DONE]
+    assert long_events[-1] == "[DONE]"
+    assert "shutting down" in json.loads(long_events[-2])["error"]["message"]
+    assert process.wait(30) == 0
+    assert GRACE_S <= time.monotonic() - signalled < GRACE_S + 10
