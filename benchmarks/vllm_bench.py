@@ -18,7 +18,9 @@ skipped when its lines are already there:
   plugin's meter file.
 - ``step``: the plugin's cost: vLLM's ``rejection_sample`` with no rule rows (vLLM's own
   code) against the plugin's with SpS rows and with Cactus rows, on the same synthetic batch
-  (B requests x K drafts x 151,936 tokens), median of repeated calls, alternating.
+  (B requests x K drafts x 151,936 tokens, target logits cut to their top 20 as the paper's
+  sampling leaves them; full-support draft probabilities), median of repeated calls,
+  alternating.
 
 ``OUT/summary.md`` tabulates every line; the raw lines stay in ``results.jsonl``.
 """
@@ -241,7 +243,8 @@ def run_step(args, batches=(1, 8), k: int = 4, vocab: int = 151_936, calls: int 
             if ("vllm", config, "step", None) in finished:
                 continue
             tokens = b * k
-            logits = torch.randn(tokens, vocab) * 3  # [T, V]
+            logits = torch.randn(tokens, vocab) * 3  # [T, V], then top-k 20 as sampled
+            logits[logits < logits.topk(20, -1).values[:, -1:]] = float("-inf")
             p = torch.softmax(torch.randn(tokens, vocab), -1) if probabilistic else None
             drafts = torch.randint(0, vocab, (tokens,), dtype=torch.int32)
             meta = type(

@@ -98,3 +98,17 @@ def test_a_mixed_batch_gives_each_row_its_own_law(plugin) -> None:
     for i, spec in enumerate(SPECS[:2]):
         counts = histogram(tokens[i::2], VOCAB)
         assert binomial_violations(counts, step_law(p, q, spec.rule)) == []
+
+
+def test_a_failing_meter_leaves_the_tokens_and_the_engine_alone(
+    plugin, monkeypatch, caplog
+) -> None:
+    def broken(*args, **kwargs):
+        raise ValueError("meter bug")
+
+    monkeypatch.setattr(plugin.METER, "record", broken)
+    p, q = laws(5)
+    drafts = torch.multinomial(p, 100, replacement=True)
+    tokens = sample_once([SPECS[1]] * 100, p, q, drafts, probabilistic=True)
+    assert tokens.shape == (100,) and bool((tokens >= 0).all())
+    assert "the divergence meter failed" in caplog.text

@@ -66,10 +66,11 @@ def acceptance_prob(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
 
 
 def kl(a: Tensor, b: Tensor) -> Tensor:
-    """KL(a || b) in nats over the last axis, 0 log 0 = 0; inf where a > 0 = b."""
+    """KL(a || b) in nats over the last axis, 0 log 0 = 0; inf where a > 0 = b. Never below 0
+    (rounding of two equal rows can give -1e-9)."""
     _check_pair(("a", "b"), a, b)
     a, b = a.double(), b.double()
-    return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(-1)
+    return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(-1).clamp(min=0.0)
 
 
 def tv(a: Tensor, b: Tensor) -> Tensor:
@@ -117,11 +118,11 @@ def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     verifier support above MAX_AUDIT_SUPPORT tokens (an unrestricted vocabulary: no top-k or
     top-p) gives NaN, "not measured", rather than building V x V matrices.
     """
+    if int((q > 0).reshape(-1, q.shape[-1]).any(0).sum()) + 1 > MAX_AUDIT_SUPPORT:
+        return torch.full(q.shape[:-1], float("nan"), dtype=torch.float64)  # even lumped
     p_s, q_s = restrict_to_support(p, q)
     if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
         p_s, q_s = lump_outside_q(p, q)
-    if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
-        return torch.full(q_s.shape[:-1], float("nan"), dtype=torch.float64)
     return kl(step_law(p_s, q_s, rule), q_s)
 
 
@@ -129,10 +130,16 @@ def one_hot_divergences(q: Tensor, draft_ids: Tensor, rule: Rule) -> Tensor:
     """KL(law_i || q_i) in nats for deterministic drafts: q [P, V], draft_ids [P] -> [P].
 
     With a one-hot draft at n the emitted law is a(n) e_n + (1 - a(n)) r_n, one row per
-    position, so the exact divergence costs O(V) at any vocabulary (no support restriction).
+    position. Every rule's law lies on supp(q) and n (its h and residual do), so the rows
+    are cut to the union of those tokens first: exact, and O(P S) for a top-k or top-p q.
     """
     q = q.float()
-    accept = rule.accept_prob(q, draft_ids, None).double().unsqueeze(-1)  # [P, 1]
-    law = (1 - accept) * rule.residual(q, draft_ids, None).double()  # [P, V]
-    law = law.scatter_add(-1, draft_ids.unsqueeze(-1), accept)
+    keep = (q > 0).any(0)  # [V]
+    keep[draft_ids] = True
+    columns = keep.nonzero().squeeze(-1)  # [S], sorted
+    q = q[:, columns]  # [P, S]
+    ids = torch.searchsorted(columns, draft_ids)  # [P], positions within the S columns
+    accept = rule.accept_prob(q, ids, None).double().unsqueeze(-1)  # [P, 1]
+    law = (1 - accept) * rule.residual(q, ids, None).double()  # [P, S]
+    law = law.scatter_add(-1, ids.unsqueeze(-1), accept)
     return kl(law, q)

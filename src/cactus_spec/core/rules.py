@@ -190,7 +190,7 @@ class Cactus(GeneralizedRule):
         room = 1 - q_n
         scale = torch.where(room > 0, (1 - h_n) / torch.where(room > 0, room, 1.0), 0.0)
         h = q * scale.unsqueeze(-1)  # [..., V]
-        return h.scatter(-1, draft_ids.unsqueeze(-1), h_n.unsqueeze(-1))
+        return h.scatter_(-1, draft_ids.unsqueeze(-1), h_n.unsqueeze(-1))  # h is ours
 
 
 @dataclass(frozen=True)

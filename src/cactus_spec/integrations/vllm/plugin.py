@@ -197,7 +197,10 @@ def _patch_runner() -> None:
         specs = _specs(self)
         for request_id in scheduler_output.finished_req_ids:
             specs.by_request.pop(request_id, None)
-            METER.finish(request_id)
+            try:
+                METER.finish(request_id)
+            except Exception:  # the meter must never take the engine down
+                logger.exception("cactus-spec: closing the meter of %s failed", request_id)
         return update_states(self, scheduler_output)
 
     runner._sample, runner._update_states = _sample, _update_states

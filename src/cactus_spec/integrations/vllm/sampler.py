@@ -14,6 +14,7 @@ for the duration of one sampling call (``plugin``).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,12 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from cactus_spec.core.rules import SpS
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.targets import kernel_target
 from cactus_spec.integrations.vllm.meter import Chain, Meter
+
+logger = logging.getLogger("vllm.cactus_spec")
 
 
 @dataclass
@@ -53,16 +57,31 @@ def rule_targets(
     draft_probs: Tensor | None,  # [T, V]
     rows: list[tuple[DecodeSpec, tuple[int, int]]],  # each rule row's spec and span
 ) -> Tensor:
-    """q with each rule row's span replaced by its rule's target rows -> [T, V] float32."""
-    by_rule: dict[object, list[Tensor]] = defaultdict(list)
-    for spec, (start, end) in rows:
-        by_rule[spec.rule].append(torch.arange(start, end, device=q.device))
+    """q with each rule row's span replaced by its rule's target rows -> [T, V] float32.
+
+    SpS rows keep q (their h). One rule over every token, the common case, is computed in
+    one call without copying q first; otherwise per rule, written span by span."""
+    lossy = [(spec.rule, span) for spec, span in rows if not isinstance(spec.rule, SpS)]
+    if not lossy:
+        return q
+    ids = draft_ids.long()
+    rules = {rule for rule, _ in lossy}
+    covered = sum(end - start for _, (start, end) in lossy)
+    if len(rules) == 1 and covered == q.shape[0]:
+        return kernel_target(lossy[0][0], q, ids, draft_probs).contiguous()
+    by_rule: dict[object, list[tuple[int, int]]] = defaultdict(list)
+    for rule, span in lossy:
+        by_rule[rule].append(span)
     targets = q.clone()
-    for rule, pieces in by_rule.items():
-        index = torch.cat(pieces)  # [P]
+    for rule, group in by_rule.items():
+        index = torch.cat([torch.arange(start, end, device=q.device) for start, end in group])
         p = None if draft_probs is None else draft_probs[index]
-        targets[index] = kernel_target(rule, q[index], draft_ids[index].long(), p)
-    return targets.contiguous()
+        rows_target = kernel_target(rule, q[index], ids[index], p)  # [P, V]
+        offset = 0
+        for start, end in group:
+            targets[start:end] = rows_target[offset : offset + end - start]
+            offset += end - start
+    return targets
 
 
 def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
@@ -151,7 +170,10 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
             max_spec_len,
             None,
         )
-        _meter(meter, rows, out, q, draft_token_ids, draft_probs)
+        try:
+            _meter(meter, rows, out, q, draft_token_ids, draft_probs)
+        except Exception:  # the meter must never take the engine down
+            logger.exception("cactus-spec: the divergence meter failed; tokens are unaffected")
         return out
 
     return rejection_sample
