@@ -19,14 +19,13 @@ failing loudly when one is missing, then:
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm import cpu_fixes
-from cactus_spec.integrations.vllm.meter import Meter, Tally
+from cactus_spec.integrations.vllm.meter import Meter, Tally, logger
 from cactus_spec.integrations.vllm.requests import PREFIX, default_spec, request_spec
 from cactus_spec.integrations.vllm.sampler import Batch, Current, make_rejection_sample
 
@@ -55,7 +54,6 @@ V2_REFUSAL = (
     "cactus-spec's vLLM plugin applies its rules in the V1 model runner; Model Runner V2 "
     "verifies in kernels it does not patch: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
 )
-logger = logging.getLogger("vllm.cactus_spec")
 METER = Meter()
 #: The meter's Prometheus counters, by method: they reach vLLM's /metrics from the worker
 #: when PROMETHEUS_MULTIPROC_DIR names a directory (prometheus_client's multiprocess mode).

@@ -14,7 +14,6 @@ for the duration of one sampling call (``plugin``).
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from torch import Tensor
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.targets import kernel_target
-from cactus_spec.integrations.vllm.meter import Chain, Meter
+from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
 
-logger = logging.getLogger("vllm.cactus_spec")
+_warned: list[bool] = []  # the synthetic-mode warning, once per process
 
 
 @dataclass
@@ -114,6 +113,12 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         )
         batch = Current.batch
         rows = _rule_rows(batch, num_draft_tokens, sampling_metadata)
+        if rows and synthetic_mode and not _warned:
+            logger.warning(
+                "cactus-spec: vLLM's synthetic acceptance is on; it decides "
+                "acceptance itself, so requests' rules do not apply"
+            )
+            _warned.append(True)
         if synthetic_mode or not rows:
             return original(
                 *args,
