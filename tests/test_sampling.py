@@ -6,7 +6,13 @@ import pytest
 import torch
 from lawcheck import binomial_violations, histogram, wrong_law
 
-from cactus_spec.core.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf, uniforms
+from cactus_spec.core.sampling import (
+    SamplingConfig,
+    logits_to_probs,
+    one_hot,
+    sample_inverse_cdf,
+    uniforms,
+)
 
 
 def masked_reference(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
@@ -63,3 +69,20 @@ def test_inverse_cdf_follows_the_law_and_skips_zero_mass() -> None:
 def test_inverse_cdf_at_the_very_top_takes_the_last_positive_token() -> None:
     law = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     assert int(sample_inverse_cdf(law, torch.tensor([1.0]))) == 1
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_vanishing_top_p_keeps_the_top_token(top_p: float) -> None:
+    """Found by schemathesis: top_p = 1e-300 kept nothing (NaN rows, then an index error)."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 5
+    for top_k in (0, 20):
+        probs = logits_to_probs(logits, SamplingConfig(0.6, top_k, top_p))
+        assert torch.equal(probs, one_hot(logits.argmax(-1), 500))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Found by schemathesis: temperature 5e-324 made logits / T infinite and q NaN."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) * 5
+    probs = logits_to_probs(logits, SamplingConfig(temperature, 20, 0.95))
+    assert torch.equal(probs, one_hot(logits.argmax(-1), 500))

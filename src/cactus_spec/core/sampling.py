@@ -19,9 +19,15 @@ Generators = torch.Generator | Sequence[torch.Generator] | None
 MAX_SEED = 2**64 - 1
 
 
+#: Temperatures below this decode greedily, as vLLM's do: logits / T overflows to inf (and q
+#: to NaN) near the smallest floats, and the distribution is argmax's to float precision.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Temperature (0 = greedy), top-k (0 = off) and top-p (1 = off)."""
+    """Temperature (below GREEDY_BELOW, 0 included: greedy), top-k (0 = off) and top-p
+    (1 = off)."""
 
     temperature: float = 0.6
     top_k: int = 20
@@ -39,7 +45,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
@@ -75,7 +81,9 @@ def _sorted_nucleus(sorted_probs: Tensor, top_p: float) -> Tensor:
     if top_p == 1:
         return sorted_probs
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., n]
-    kept = sorted_probs * (mass_before < top_p)
+    keep = mass_before < top_p  # a top_p below float32's smallest (1e-300) compares as 0
+    keep[..., 0] = True
+    kept = sorted_probs * keep
     return kept / kept.sum(-1, keepdim=True)
 
 

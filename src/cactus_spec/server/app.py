@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.generation import GenerationResult
 from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
+from cactus_spec.server import schema
 from cactus_spec.server.metrics import prometheus_text
 from cactus_spec.server.protocol import (
     APIError,
@@ -63,6 +64,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
     handler = _Handler(scheduler, config)
     app.state.drain = handler.drain
+    schema.install(app, config.model_id)
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
@@ -77,13 +79,13 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(_RequireKey, key=config.api_key)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the server is shutting down"}})
     async def health():
         if handler.closing:  # load balancers stop sending here
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
 
