@@ -100,3 +100,18 @@ def test_sigterm_drains_then_ends_what_is_left_and_exits(server) -> None:
     assert "shutting down" in json.loads(long_events[-2])["error"]["message"]
     assert process.wait(30) == 0
     assert GRACE_S <= time.monotonic() - signalled < GRACE_S + 10
+
+
+def test_a_second_signal_exits_without_waiting_for_the_grace(server) -> None:
+    process, port = server
+    events: list[str] = []
+    started = threading.Event()
+    thread = threading.Thread(target=stream, args=(port, 1500, events, started), daemon=True)
+    thread.start()
+    assert started.wait(60)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    process.wait(30)
+    assert time.monotonic() - signalled < GRACE_S  # not drained to the grace

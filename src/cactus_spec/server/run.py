@@ -23,6 +23,7 @@ from cactus_spec.core.checks import check_int
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import Scheduler
+from cactus_spec.server.protocol import APIError
 
 
 def start_scheduler(
@@ -86,16 +87,7 @@ class _HeadTimeout(H11Protocol):
         if self.transport.is_closing():
             return
         message = f"the request head did not arrive within {self.header_timeout_s:g} s"
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        ).encode()
+        body = json.dumps(APIError(408, message).body()).encode()
         head = (
             "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
             f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -137,8 +129,11 @@ class _DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if self.draining or self.loop is None:
+        if self.loop is None:
             super().handle_exit(sig, frame)
+            return
+        if self.draining:  # a second signal: no more waiting for anyone
+            self.should_exit = self.force_exit = True
             return
         self.draining = True  # then a clean exit (status 0), the signal handled
         asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
