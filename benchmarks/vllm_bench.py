@@ -159,11 +159,12 @@ def run_vllm(args, drafting: str, k: int) -> None:
     from vllm import LLM, SamplingParams
 
     config = f"{drafting} K{k}"
+    finished = done(args.out)
     todo = [
         (label, i)
         for i in range(args.n)
         for label in METHODS
-        if ("vllm", config, label, i) not in done(args.out)
+        if ("vllm", config, label, i) not in finished
     ]
     if not todo:
         return

@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cactus_spec.server.run import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +27,6 @@ def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[i
     connection.request(method, path, body=None if body is None else json.dumps(body))
     response = connection.getresponse()
     return response.status, json.loads(response.read() or b"{}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

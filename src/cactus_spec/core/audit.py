@@ -83,10 +83,14 @@ def tv(a: Tensor, b: Tensor) -> Tensor:
 MAX_AUDIT_SUPPORT = 4096
 
 
+def _columns(mask: Tensor) -> Tensor:
+    """The tokens where any row of ``mask`` [..., V] is true -> [S], sorted."""
+    return mask.reshape(-1, mask.shape[-1]).any(0).nonzero().squeeze(-1)
+
+
 def restrict_to_support(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
     """p and q [..., V] restricted to the tokens where any row of either is positive -> [..., S]."""
-    positive = (p > 0) | (q > 0)  # [..., V]
-    support = positive.reshape(-1, positive.shape[-1]).any(0).nonzero().squeeze(-1)  # [S]
+    support = _columns((p > 0) | (q > 0))  # [S]
     return p[..., support], q[..., support]
 
 
@@ -101,7 +105,10 @@ def lump_outside_q(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
     and the law outside supp(q) is the lumped token's. A draft with full support (vLLM's draft
     probabilities have no top-k) is then audited on the verifier's support alone.
     """
-    support = (q > 0).reshape(-1, q.shape[-1]).any(0).nonzero().squeeze(-1)  # [S]
+    return _lump(p, q, _columns(q > 0))
+
+
+def _lump(p: Tensor, q: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
     p_in, q_in = p[..., support], q[..., support]  # [..., S]
     rest = (1 - p_in.sum(-1, keepdim=True, dtype=torch.float64)).clamp(min=0.0)  # [..., 1]
     return torch.cat([p_in, rest.to(p.dtype)], -1), torch.cat(
@@ -118,11 +125,15 @@ def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     verifier support above MAX_AUDIT_SUPPORT tokens (an unrestricted vocabulary: no top-k or
     top-p) gives NaN, "not measured", rather than building V x V matrices.
     """
-    if int((q > 0).reshape(-1, q.shape[-1]).any(0).sum()) + 1 > MAX_AUDIT_SUPPORT:
+    in_q = q > 0  # [P, V], one pass each over q and p
+    q_support = _columns(in_q)  # [S_q]
+    if q_support.shape[0] + 1 > MAX_AUDIT_SUPPORT:
         return torch.full(q.shape[:-1], float("nan"), dtype=torch.float64)  # even lumped
-    p_s, q_s = restrict_to_support(p, q)
-    if q_s.shape[-1] > MAX_AUDIT_SUPPORT:
-        p_s, q_s = lump_outside_q(p, q)
+    support = _columns(in_q | (p > 0))  # [S]
+    if support.shape[0] <= MAX_AUDIT_SUPPORT:
+        p_s, q_s = p[..., support], q[..., support]
+    else:
+        p_s, q_s = _lump(p, q, q_support)
     return kl(step_law(p_s, q_s, rule), q_s)
 
 

@@ -181,13 +181,15 @@ class _Handler:
         """Stop admitting (503), let the live requests run up to ``grace_s`` seconds, then end
         the rest: a stream gets a final error event and [DONE], a whole answer a 503."""
         self.closing = True
-        deadline = time.monotonic() + grace_s
-        while self.live and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._until_idle(grace_s)
         for pending, events in list(self.live.items()):
             self.scheduler.cancel(pending)
             events.put_nowait(("shutdown", None))
-        deadline = time.monotonic() + 5.0  # their answers go out
+        await self._until_idle(5.0)  # their final answers go out
+
+    async def _until_idle(self, seconds: float) -> None:
+        """Wait until no request is live, or ``seconds`` have passed."""
+        deadline = time.monotonic() + seconds
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 

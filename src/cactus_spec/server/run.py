@@ -157,7 +157,7 @@ class BackgroundServer:
         import uvicorn
 
         self.host = host
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.server = uvicorn.Server(_config(app, host, self.port, header_timeout_s))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
@@ -178,7 +178,8 @@ class BackgroundServer:
 _START_TIMEOUT_S = 30.0
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

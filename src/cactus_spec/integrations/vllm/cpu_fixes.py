@@ -57,14 +57,9 @@ def guard_empty(apply_sampling_constraints):
     return wrapped
 
 
-def affected(version: str) -> bool:
-    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    return parts in AFFECTED
-
-
-def apply(version: str) -> list[str]:
-    """Apply the fixes this vLLM needs; the names of those applied."""
-    if not affected(version):
+def apply(release: tuple[int, ...]) -> list[str]:
+    """Apply the fixes vLLM ``release`` (major, minor) needs; the names of those applied."""
+    if release not in AFFECTED:
         return []
     from vllm.platforms import current_platform
 

@@ -72,19 +72,19 @@ def register() -> None:
         return
     import vllm
 
-    check_version(vllm.__version__)
+    release = check_version(vllm.__version__)
     resolve_all(TARGETS)
     METER.export = _prometheus_export()
     _patch_requests()
     _patch_runner()
     _patch_sampler()
     _refuse_v2()
-    cpu_fixes.apply(vllm.__version__)
+    cpu_fixes.apply(release)
     _registered.append(True)
 
 
-def check_version(version: str) -> None:
-    """RuntimeError unless ``version`` lies in ``SUPPORTED``."""
+def check_version(version: str) -> tuple[int, ...]:
+    """``version``'s (major, minor); RuntimeError unless it lies in ``SUPPORTED``."""
     parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
     low, high = SUPPORTED
     if len(parts) != 2 or not low <= parts < high:
@@ -93,6 +93,7 @@ def check_version(version: str) -> None:
             f"{high[0]}.{high[1]}, found {version}; uninstall cactus-spec from this "
             "environment or install a supported vLLM"
         )
+    return parts
 
 
 def resolve(module: str, path: str) -> object:

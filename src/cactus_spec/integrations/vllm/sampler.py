@@ -14,6 +14,7 @@ for the duration of one sampling call (``plugin``).
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class Current:
 
 def spans(num_draft_tokens: list[int]) -> list[tuple[int, int]]:
     """[start, end) of each request's drafts in the flattened token axis."""
-    ends = torch.tensor(num_draft_tokens).cumsum(0).tolist()
+    ends = itertools.accumulate(num_draft_tokens)
     return [(end - n, end) for n, end in zip(num_draft_tokens, ends, strict=True)]
 
 
