@@ -9,7 +9,12 @@ each streaming chat completions of HumanEval prompts one after another (two per 
 least 4 in all), so requests join and leave a running batch. Per configuration: total
 tokens/s (all completion tokens / wall time from the first request to the last answer),
 time to first token and inter-token latency (p50, p95 over requests; ITL =
-(last chunk - first chunk) / (tokens - 1)), acceptance, mean K, KL per token.
+(last chunk - first chunk) / (tokens - 1)), every gap between two chunks of a stream (p95
+and max: what a running stream waits while new requests are read), acceptance, mean K, KL
+per token. Then ``--chats`` two-turn conversations at once, the second turn resending the
+history: the TTFT of each turn (prefix caching reads only the second turn's new tokens).
+``--server-args`` passes more flags to the server (``--no-prefix-cache``) and ``--label``
+names the run, so runs of other code or flags keep their own lines.
 
 Each configuration appends one line to ``results.jsonl`` as it finishes; a rerun skips those
 done. ``summary.md`` and ``tokens_per_s.png`` are rewritten from the whole file.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import socket
 import subprocess
@@ -52,9 +58,10 @@ def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, se
     sent = time.perf_counter()
     stamps = []
     usage = None
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,
         max_tokens=max_tokens,
         temperature=0.6,
         top_p=0.95,
@@ -63,9 +70,11 @@ def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, se
         stream_options={"include_usage": True},
         extra_body={"top_k": 20, "speculative": spec},
     )
+    pieces = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
+            pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     tokens = usage.completion_tokens
@@ -73,8 +82,10 @@ def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, se
     itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
     return {
         "tokens": tokens,
+        "text": "".join(pieces),
         "ttft_s": stamps[0] - sent if stamps else None,
         "itl_s": itl,
+        "gaps_s": [b - a for a, b in itertools.pairwise(stamps)],
         "done": time.perf_counter(),
         "sent": sent,
         **{k: extra[k] for k in ("iterations", "drafted_tokens", "accepted_tokens", "kl_nats")},
@@ -105,12 +116,49 @@ def run_config(client, model, prompts, spec, concurrency, max_tokens) -> dict:
     return summarise(results, wall)
 
 
+#: The second turn of each benchmark chat: the history (prompt, answer) and this.
+FOLLOW_UP = "Now write three assert statements that test it."
+
+
+def run_chats(client, model: str, prompts: list[str], chats: int, max_tokens: int) -> dict:
+    """``chats`` conversations at once, each of two turns (Cactus, policy's K): a HumanEval
+    prompt, then the whole history and ``FOLLOW_UP``; the TTFT of each turn, p50 and p95."""
+    spec = METHODS["cactus"]
+    turns: list[list[dict]] = [[], []]
+    lock = threading.Lock()
+
+    def chat(index: int) -> None:
+        history = [{"role": "user", "content": prompts[index % len(prompts)]}]
+        first = one_request(client, model, history, spec, max_tokens, index)
+        history += [
+            {"role": "assistant", "content": first["text"]},
+            {"role": "user", "content": FOLLOW_UP},
+        ]
+        second = one_request(client, model, history, spec, 8, index)
+        with lock:
+            turns[0].append(first)
+            turns[1].append(second)
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(chats)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = {}
+    for turn, results in enumerate(turns, 1):
+        ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+        out[f"turn{turn}_ttft_p50_s"] = percentile(ttft, 50)
+        out[f"turn{turn}_ttft_p95_s"] = percentile(ttft, 95)
+    return out
+
+
 def summarise(results: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in results)
     drafted = sum(r["drafted_tokens"] for r in results)
     iterations = sum(r["iterations"] for r in results)
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     itl = [r["itl_s"] for r in results if r["itl_s"] is not None]
+    gaps = [gap for r in results for gap in r["gaps_s"]]
     return {
         "requests": len(results),
         "tokens": tokens,
@@ -120,6 +168,8 @@ def summarise(results: list[dict], wall: float) -> dict:
         "ttft_p95_s": percentile(ttft, 95),
         "itl_p50_s": percentile(itl, 50),
         "itl_p95_s": percentile(itl, 95),
+        "gap_p95_s": percentile(gaps, 95),
+        "gap_max_s": max(gaps, default=None),
         "acceptance": sum(r["accepted_tokens"] for r in results) / drafted if drafted else None,
         "mean_k": drafted / iterations if iterations else 0.0,
         "kl_nats_per_token": sum(r["kl_nats"] for r in results) / tokens,
@@ -140,25 +190,38 @@ def read_done(path: Path) -> list[dict]:
 
 
 def write_summary(out: Path, rows: list[dict], settings: dict) -> None:
+    chats = [r for r in rows if r["method"] == "chat"]
+    rows = [r for r in rows if r["method"] != "chat"]
     ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     one = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     lines = [
         f"Serving benchmark: {settings}",
         "",
         "| method | clients | tokens/s | vs AR | vs 1 client | TTFT p50 / p95 (s) "
-        "| ITL p50 / p95 (ms) | acceptance | mean K | KL nats/token |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ITL p50 / p95 (ms) | gap p95 / max (ms) | acceptance | mean K | KL nats/token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in sorted(rows, key=lambda r: (list(METHODS).index(r["method"]), r["concurrency"])):
         c = r["concurrency"]
         vs_ar = f"{r['tokens_per_s'] / ar[c]:.2f}x" if c in ar else "-"
         vs_one = f"{r['tokens_per_s'] / one[r['method']]:.2f}x" if r["method"] in one else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        gaps = (
+            f"{1000 * r['gap_p95_s']:.0f} / {1000 * r['gap_max_s']:.0f}"
+            if "gap_p95_s" in r
+            else "-"
+        )
         lines.append(
             f"| {r['method']} | {c} | {r['tokens_per_s']:.1f} | {vs_ar} | {vs_one} "
             f"| {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} "
-            f"| {1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} "
+            f"| {1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p95_s']:.0f} | {gaps} "
             f"| {acc} | {r['mean_k']:.1f} | {r['kl_nats_per_token']:.4f} |"
+        )
+    for r in chats:
+        lines.append(
+            f"\n{r['concurrency']} two-turn chats at once: TTFT p50 / p95 turn 1 "
+            f"{r['turn1_ttft_p50_s']:.2f} / {r['turn1_ttft_p95_s']:.2f} s, turn 2 "
+            f"{r['turn2_ttft_p50_s']:.2f} / {r['turn2_ttft_p95_s']:.2f} s"
         )
     write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
     plot(out, rows)
@@ -197,6 +260,7 @@ def served(args, max_batch: int, log: Path):
         "--draft", args.draft, "--verifier-quant", args.verifier_quant,
         "--num-draft-tokens", str(args.max_k), "--max-batch", str(max_batch),
         "--max-queue", "256", "--port", str(port), "--served-model-name", "bench",
+        *args.server_args.split(),
     ]  # fmt: skip
     with log.open("w") as sink:
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
@@ -231,6 +295,9 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=10, help="largest K the policy may pick")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    parser.add_argument("--chats", type=int, default=4, help="two-turn chats at once (0: none)")
+    parser.add_argument("--server-args", default="", help="more flags for cactus-spec serve")
+    parser.add_argument("--label", default="", help="names this run's code and flags")
     parser.add_argument("--out", default="bench-out/serve")
     args = parser.parse_args()
     methods = args.methods.split(",")
@@ -247,6 +314,8 @@ def main() -> None:
         "verifier_quant": args.verifier_quant,
         "max_tokens": args.max_tokens,
         "max_k": args.max_k,
+        "server_args": args.server_args,
+        "label": args.label,
     }
     done = read_done(results)
     todo = [
@@ -273,6 +342,14 @@ def main() -> None:
                 f"mean K {row['mean_k']:.1f}",
                 flush=True,
             )
+        if args.chats and not any(
+            r["method"] == "chat" and r["settings"] == settings for r in done
+        ):
+            row = run_chats(client, "bench", prompts, args.chats, args.max_tokens)
+            row = {"method": "chat", "concurrency": args.chats, "settings": settings, **row}
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"chats: {row}", flush=True)
     rows = [r for r in read_done(results) if r["settings"] == settings]
     write_summary(out, rows, settings)
     print((out / "summary.md").read_text())

@@ -157,6 +157,16 @@ def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_de
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
 
 
+def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:
+    """Drafting one token is predicted 3% faster than plain decoding here: within the
+    policy's error, so it decodes plainly; the negative control predicts 10% and drafts."""
+    g = generation(decoder(1), [1, 2, 3], spec_of(Cactus(1.0), None))
+    slight = policy_with(0.002, {1: 0.050, 2: 0.0854, 9: 0.45, 144: 7.2})
+    assert slight.choose([g], [0]) == [0]
+    clear = policy_with(0.002, {1: 0.050, 2: 0.080, 9: 0.45, 144: 7.2})
+    assert clear.choose([g], [0]) == [1]
+
+
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     d = decoder(1)
     g = generation(d, list(range(1, 101)), spec_of(Cactus(1.0), None))

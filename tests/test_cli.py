@@ -66,6 +66,7 @@ def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> Non
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
         (["--max-batch", "0"], "--max-batch must be an integer >= 1, got 0"),
         (["--max-queue", "0"], "--max-queue must be an integer >= 1, got 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be an integer >= 1, got 0"),
         (["--default-max-tokens", "0"], "--default-max-tokens must be an integer >= 1, got 0"),
         (["--port", "70000"], r"--port must be in \[0, 65535\], got 70000"),
         (["--device", "gpu9"], "device must be cpu, cuda, cuda:N or mps, got 'gpu9'"),

@@ -157,6 +157,27 @@ def test_chat_streamed_and_whole_equal_offline(served: Served, offline) -> None:
     assert whole == text == offline_text(offline, served, question, 11, chat=True)
 
 
+def test_a_second_chat_turn_reuses_the_first_and_equals_offline(served: Served, offline) -> None:
+    """The second turn resends the history: its row holds the first turn, so only the new
+    tokens are read (``cached_tokens``, the metrics), and the answer is still offline's."""
+    args = {"model": MODEL_ID, "max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 5}
+    args["extra_body"] = {"top_k": 20, "speculative": SPECULATIVE}
+    history = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    hits = served.metric("prefix_cache_hits_total")
+    first = served.client.chat.completions.create(messages=history, **args)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And one that is red?"},
+    ]
+    second = served.client.chat.completions.create(messages=history, **args)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 2 <= cached < second.usage.prompt_tokens
+    assert served.metric("prefix_cache_hits_total") >= hits + 1
+    ids = offline[drafter_of(served)].encode_chat(history)
+    expected = offline[drafter_of(served)].generate(ids, 16, 0.8, 20, 0.95, 5)
+    assert second.choices[0].message.content == expected.text
+
+
 def test_sixteen_concurrent_clients_each_equal_offline(served: Served, offline) -> None:
     jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:

@@ -25,6 +25,7 @@ from cactus_spec.core.spec import DRAFTERS, DecodeSpec, parse_spec
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.policy import POLICIES
+from cactus_spec.runtime.scheduler import PREFILL_CHUNK
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -150,6 +151,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded at once")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before HTTP 429")
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="prompt tokens read per iteration, so running rows are not stalled by a long "
+        f"prompt (default {PREFILL_CHUNK})",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="read every prompt from its first token (default: reuse the longest prefix a "
+        "row still holds)",
+    )
+    p.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
     )
     p.add_argument(
@@ -274,6 +289,7 @@ def _engine(
     max_batch: int = 1,
     max_draft_tokens: int | None = None,
     announce: bool = False,
+    prefix_cache: bool = True,
 ):
     """The engine the model flags describe, decoding by ``spec`` (a draft model is loaded
     only where the spec drafts with one)."""
@@ -295,6 +311,7 @@ def _engine(
         draft_quant=args.draft_quant,
         verifier_quant=args.verifier_quant,
         max_batch=max_batch,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -433,7 +450,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.run import HEADER_TIMEOUT_S, serve, start_scheduler
 
     spec = _spec(args)
-    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens"))
+    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "prefill_chunk"))
     if args.max_request_bytes is not None:
         _check_counts(args, ("max_request_bytes",))
     if args.body_timeout is not None and not args.body_timeout > 0:
@@ -451,8 +468,10 @@ def run_serve(args: argparse.Namespace) -> int:
     cap = spec.num_draft_tokens if spec.drafts else None
     if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
         spec = spec.with_num_draft_tokens(None)
-    decoder = _engine(args, spec, args.max_batch, cap, announce=True)
-    scheduler = start_scheduler(decoder, args.policy, args.max_queue)
+    decoder = _engine(
+        args, spec, args.max_batch, cap, announce=True, prefix_cache=args.prefix_cache
+    )
+    scheduler = start_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
     model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own

@@ -312,6 +312,30 @@ DEFAULT_CONTEXT = 8192
 _SHARED_FORWARD_TOKENS = 16
 
 
+#: Rows fed more than ``_SHARED_FORWARD_TOKENS`` share a forward with those at least this
+#: fraction of the longest one's length: padding wastes at most a quarter of the forward.
+_SHARED_LONG_FILL = 0.75
+
+
+def _forward_groups(lengths: list[int]) -> list[list[int]]:
+    """Which rows go in one forward: every row of at most ``_SHARED_FORWARD_TOKENS`` tokens
+    together; longer ones (prompts being read) longest first, each with the following ones
+    down to ``_SHARED_LONG_FILL`` of its length."""
+    short = [i for i, n in enumerate(lengths) if n <= _SHARED_FORWARD_TOKENS]
+    long = sorted(
+        (i for i, n in enumerate(lengths) if n > _SHARED_FORWARD_TOKENS), key=lambda i: -lengths[i]
+    )
+    groups = [short] if short else []
+    widths: list[int] = []
+    for i in long:
+        if widths and lengths[i] >= _SHARED_LONG_FILL * widths[-1]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            widths.append(lengths[i])
+    return groups
+
+
 class LeanBackend:
     """The Backend protocol over ``LeanModel``: ``slots`` rows, each with its own length.
 
@@ -362,9 +386,7 @@ class LeanBackend:
         last ``keep`` tokens when keep > 0, or of its last token when ``last_only``."""
         if any(len(ids) == 0 for ids in token_lists):
             raise ValueError("append needs at least one token")
-        short = [i for i, ids in enumerate(token_lists) if len(ids) <= _SHARED_FORWARD_TOKENS]
-        long = [i for i, ids in enumerate(token_lists) if len(ids) > _SHARED_FORWARD_TOKENS]
-        groups = ([short] if short else []) + [[i] for i in long]
+        groups = _forward_groups([len(ids) for ids in token_lists])
         out: list[Tensor | None] = [None] * len(token_lists)
         for group in groups:
             lists = [token_lists[i] for i in group]

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.sampling import SamplingConfig, draw, logits_to_probs
+from cactus_spec.runtime.prefixes import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,16 @@ class Drafter(Protocol):
     def reset(self, row: int | None = None) -> None:
         """Forget any state from an earlier sequence in ``row`` (default: every row)."""
 
+    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
+        """A new sequence begins in ``row`` with ``prompt``: keep what its state shares with
+        the prompt when ``reuse`` (prefix caching), else forget it; the prompt tokens kept."""
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """For each request, up to its ``num_draft_tokens`` tokens that may follow its
         context."""
 
     def behind(self, row: int, context: Sequence[int]) -> int:
         """Tokens of ``context`` the drafter would read before drafting for ``row`` again."""
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    limit = min(len(a), len(b))
-    for i in range(limit):
-        if a[i] != b[i]:
-            return i
-    return limit
 
 
 class ModelDrafter:
@@ -78,7 +74,8 @@ class ModelDrafter:
     and the bonus token after a fully accepted block, or, the first time (or after
     iterations that drafted nothing), the prompt and everything since. Reading a prompt
     only when a row first drafts means a row that never drafts costs the draft model
-    nothing. Every draft step is one forward
+    nothing; a new prompt keeps the prefix it shares with the row's last sequence (prefix
+    caching, ``start``). Every draft step is one forward
     over all rows still drafting; each row draws from its own generator, in the same order
     as alone.
     """
@@ -87,7 +84,7 @@ class ModelDrafter:
         self.backend = backend
         self.vocab_size = vocab_size
         self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
-        self._seen: dict[int, int] = {}  # row -> context length when it last drafted
+        self._seen: dict[int, int] = {}  # row -> context tokens its cache has read
 
     def reset(self, row: int | None = None) -> None:
         self.backend.reset(row)
@@ -96,6 +93,14 @@ class ModelDrafter:
         else:
             self._cached.pop(row, None)
             self._seen.pop(row, None)
+
+    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
+        cached = self._cached.get(row, []) if reuse else []
+        keep = min(common_prefix_length(cached, prompt), len(prompt) - 1)
+        self.backend.rollback(keep, row)
+        self._cached[row] = list(prompt[:keep])
+        self._seen[row] = keep
+        return keep
 
     def behind(self, row: int, context: Sequence[int]) -> int:
         return len(context) - self._seen.get(row, 0)
@@ -154,6 +159,10 @@ class NGramDrafter:
 
     def reset(self, row: int | None = None) -> None:
         """Stateless: nothing to forget."""
+
+    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
+        """Stateless: nothing to keep."""
+        return 0
 
     def behind(self, row: int, context: Sequence[int]) -> int:
         """Nothing to read: it looks at the whole context each time."""

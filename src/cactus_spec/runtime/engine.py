@@ -9,7 +9,8 @@ token from q in the same step.
 Callers use the engine's methods and nothing inside it: ``generate`` (one sequence),
 ``decode_many`` (many, continuously batched over ``max_batch`` rows), ``score``
 (log-likelihoods under the verifier), ``encode``/``encode_chat``, ``check_context``, and for
-the scheduler ``new_generation``, ``prefill``, ``step`` and ``behind``. The engine talks to
+the scheduler ``choose_row``, ``new_generation``, ``prefill``, ``step`` and
+``behind``. The engine talks to
 models only through ``Backend`` and ``Drafter``: device and EOS ids come with the loaded
 model, logits and rollback through the backend.
 
@@ -44,6 +45,7 @@ from cactus_spec.runtime.generation import (
     check_stops,
 )
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
+from cactus_spec.runtime.prefixes import PrefixCache
 from cactus_spec.runtime.scheduler import Request
 from cactus_spec.runtime.stepper import Stepper, StepTiming
 
@@ -60,7 +62,9 @@ class SpeculativeDecoder:
     policy's cap, and what ``check_context`` reserves for drafts); default: the spec's K.
 
     ``backend`` picks the code that runs both models (``loading.backend.make_backend``:
-    auto, lean or hf). ``draft_quant`` and ``verifier_quant`` ("none", "int8", "int4") apply
+    auto, lean or hf). ``prefix_cache`` lets a prompt reuse the keys and values of the longest
+    prefix a row still holds from its last sequence (``prefixes``). ``draft_quant`` and
+    ``verifier_quant`` ("none", "int8", "int4") apply
     to models this constructor loads from a name or path: the draft is int8 by default (the
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
     """
@@ -79,6 +83,7 @@ class SpeculativeDecoder:
         draft_quant: str = "int8",
         verifier_quant: str = "none",
         max_batch: int = 1,
+        prefix_cache: bool = True,
     ) -> None:
         spec = DecodeSpec() if spec is None else spec
         if not isinstance(spec, DecodeSpec):
@@ -98,7 +103,8 @@ class SpeculativeDecoder:
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
         self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
-        self._stepper = Stepper(self._backend, self._drafter, self.vocab_size)
+        prefixes = PrefixCache(enabled=bool(prefix_cache))
+        self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
         if not self.spec.drafts:
@@ -254,6 +260,7 @@ class SpeculativeDecoder:
         """(log P(continuation | prefix), whether the continuation is the verifier's greedy
         path) for each (prefix ids, continuation ids), under the verifier alone
         (``scoring``); ``on_scored(index, score)`` as each is done."""
+        self._stepper.forget()
         return scoring.score(self._backend, self.vocab_size, items, on_scored)
 
     def calibrated_policy(self) -> SpeculationPolicy | None:
@@ -261,6 +268,7 @@ class SpeculativeDecoder:
         engine's models (``policy.calibrated_policy``); None when nothing is drafted."""
         if self._drafter is None:
             return None
+        self._stepper.forget()
         return calibrated_policy(self._backend, self._drafter, self.max_draft_tokens)
 
     def verifier_divergence(self) -> Divergence | None:
@@ -272,10 +280,11 @@ class SpeculativeDecoder:
     # --- rows, for the scheduler ----------------------------------------------------------
 
     def new_generation(self, request: Request, row: int) -> Generation:
-        """The generation of ``request`` in ``row`` (its spec must draft with this engine's
-        drafter, or draft nothing)."""
+        """The generation of ``request``, begun in ``row``: the row keeps the longest prefix its
+        caches share with the prompt (``Stepper.start``); its spec must draft with this
+        engine's drafter, or draft nothing."""
         self._check_drafter(request.spec)
-        return Generation(
+        generation = Generation(
             request.prompt_ids,
             request.max_new_tokens,
             request.sampling,
@@ -288,10 +297,16 @@ class SpeculativeDecoder:
             device=self.verifier.device,
             row=row,
         )
+        self._stepper.start([generation])
+        return generation
 
-    def prefill(self, generations: Sequence[Generation]) -> None:
-        """Read the generations' prompts into their rows (``Stepper.prefill``)."""
-        self._stepper.prefill(generations)
+    def choose_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
+        """The free row ``prompt`` should take (``Stepper.choose_row``)."""
+        return self._stepper.choose_row(prompt, free)
+
+    def prefill(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Read up to ``budget`` unread prompt tokens (``Stepper.prefill``)."""
+        return self._stepper.prefill(generations, budget)
 
     def step(
         self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]

@@ -38,7 +38,10 @@ class GenerationStats:
       draft position j had its verdict emitted (the chain reached it and generation
       had not ended before it) / in which it was accepted and emitted;
     - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
-      emitted a token (see the module docstring).
+      emitted a token (see the module docstring);
+    - ``cached_prompt_tokens`` / ``draft_cached_prompt_tokens``: prompt tokens the verifier
+      / the draft model did not read because their row's cache held them from an earlier
+      sequence (prefix caching, ``prefixes``).
     """
 
     iterations: int = 0
@@ -52,6 +55,8 @@ class GenerationStats:
     time_audit_s: float = 0.0
     time_total_s: float = 0.0
     kl_nats: float = 0.0
+    cached_prompt_tokens: int = 0
+    draft_cached_prompt_tokens: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -140,6 +145,7 @@ class Generation:
         self.row = row
         self.context = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
+        self.read = 0  # prompt tokens in the verifier's cache (``Stepper.prefill``)
         self.max_new = max_new_tokens
         self.sampling = sampling
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -157,6 +163,12 @@ class Generation:
     @property
     def new_ids(self) -> list[int]:
         return self.context[self.prompt_len :]
+
+    @property
+    def reading(self) -> bool:
+        """Whether the verifier has prompt tokens left to read: all but the last, which the
+        first iteration feeds with the drafts."""
+        return self.read < self.prompt_len - 1
 
     @property
     def remaining(self) -> int:

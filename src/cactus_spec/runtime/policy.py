@@ -16,10 +16,12 @@ what was emitted while K was 0; it reads them only when its row drafts again) at
 each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
 size, seeded by a short calibration). The policy drafts the K in 0..K_max that maximises
-E(K) / T(K). K = 0 is plain decoding (E = B, T = t_verify(B)), one of
-the candidates, so the policy never picks a K it predicts to be slower than plain decoding:
-at high concurrency, where a verifier forward over B (K + 1) tokens costs much more than
-over B, it drafts less or not at all.
+E(K) / T(K), and drafts at all only when that is at least ``_MARGIN`` above K = 0, plain
+decoding (E = B, T = t_verify(B)): so it never picks a K it predicts to be slower than plain
+decoding, nor one within its own error of it. At high concurrency, where a verifier forward
+over B (K + 1) tokens costs much more than over B, it drafts less or not at all. The
+scheduler asks for the batch that is forming (rows still reading their prompts included),
+not only for the rows already decoding.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ _EMA = 0.2
 _STEADY_LAG = 2
 #: A draft step this many times dearer than its estimate is a catch-up, not a step.
 _CATCH_UP_FACTOR = 3.0
+#: Drafting must promise this much more than plain decoding: the estimates err (costs timed
+#: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
+#: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
+_MARGIN = 0.05
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
 
@@ -132,7 +138,9 @@ class SpeculationPolicy:
                 cost += k * self.draft.estimate(rows) + catch_up / iterations_left
             return sum(per_row) / cost if cost > 0 else float(k == 0)
 
-        return max(range(self.max_draft_tokens + 1), key=rate)
+        rates = [rate(k) for k in range(self.max_draft_tokens + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
     def observe(self, timing: StepTiming) -> None:
         """Fold one iteration's measured costs into the tables. A draft step that cost more

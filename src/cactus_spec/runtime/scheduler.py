@@ -1,8 +1,12 @@
 """Continuous batching: requests join and leave between iterations of one decode loop.
 
 One thread owns the models. Each turn of its loop it admits waiting requests into free rows
-(prefilling their prompts), drops cancelled ones, asks the policy for K, runs one stepper
-iteration over every active row, and hands finished generations back. A bounded queue gives
+(each into the free row that holds the longest prefix of its prompt: prefix caching), drops
+cancelled ones, reads up to ``prefill_chunk`` prompt tokens of the rows still reading their
+prompts (oldest first, in one batched forward where padding allows: chunked prefill), asks
+the policy for K, runs one stepper iteration over every row that has read its prompt, and
+hands finished generations back. So a long prompt arriving costs each running row at most
+one chunk's forward per iteration, not the whole prompt's. A bounded queue gives
 backpressure: ``submit`` raises ``QueueFullError`` when it is full.
 
 Callbacks (``on_text``, ``on_done``) run on the scheduler's thread: they must be quick and
@@ -23,6 +27,11 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import Generation, GenerationResult
 from cactus_spec.runtime.policy import SpeculationPolicy
 from cactus_spec.runtime.stepper import StepTiming
+
+#: Prompt tokens a server reads per iteration (``prefill_chunk``): on a 2-core EPYC a chunk
+#: of 64 costs the default bf16 verifier 333 ms, six one-token forwards (53 ms; 128 cost
+#: 615 ms; ``benchmarks/forward_cost.py --tokens 1,64,128``).
+PREFILL_CHUNK = 64
 
 #: Window of the tokens-per-second gauge.
 _RATE_WINDOW_S = 10.0
@@ -61,6 +70,10 @@ class Counters:
     accepted: int = 0
     iterations: int = 0
     kl_nats: float = 0.0
+    prompt_tokens: int = 0
+    prefix_queries: int = 0  # requests started (each looks for a cached prefix)
+    prefix_hits: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"verifier": 0, "draft": 0})
     recent: deque = field(default_factory=deque)  # (time, tokens) per iteration
 
     def tokens_per_s(self) -> float:
@@ -79,11 +92,15 @@ class Rows(Protocol):
     def draft_tokens(self, spec: DecodeSpec) -> int:
         """K a row of ``spec`` drafts when no policy picks it."""
 
-    def new_generation(self, request: Request, row: int) -> Generation:
-        """The generation of ``request`` in ``row``."""
+    def choose_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
+        """The free row ``prompt`` should take (the one caching its longest prefix)."""
 
-    def prefill(self, generations: Sequence[Generation]) -> None:
-        """Read the generations' prompts into their rows."""
+    def new_generation(self, request: Request, row: int) -> Generation:
+        """The generation of ``request``, begun in ``row`` (which keeps what it caches of the
+        prompt)."""
+
+    def prefill(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Read up to ``budget`` unread prompt tokens of the generations, in their order."""
 
     def step(
         self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
@@ -103,10 +120,12 @@ class Scheduler:
         engine: Rows,
         max_queue: int = 64,
         policy: SpeculationPolicy | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.policy = policy
+        self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self._free = list(range(engine.max_batch))
         self._waiting: deque[Request] = deque()
@@ -173,21 +192,29 @@ class Scheduler:
             if request.cancelled:
                 self.counters.requests_cancelled += 1
                 continue
-            admitted.append((request, self.engine.new_generation(request, self._free.pop(0))))
+            row = self.engine.choose_row(request.prompt_ids, self._free)
+            self._free.remove(row)
+            admitted.append((request, self.engine.new_generation(request, row)))
+            self._count_prompt(admitted[-1][1])
         return admitted
 
     def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
-        """Prefill what joined, drop what was cancelled, run one iteration, finish what ended."""
+        """Take in what joined, drop what was cancelled, read a chunk of the prompts still
+        being read, run one iteration over the rest, finish what ended."""
         if admitted:  # rows in order, so that a batch of neighbouring rows is a view
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
-            self.engine.prefill([g for _, g in admitted])
         for request, g in [pair for pair in self._active if pair[0].cancelled]:
             self._release(request, g)
             self.counters.requests_cancelled += 1
-        if not self._active:
+        reading = sorted((g for _, g in self._active if g.reading), key=lambda g: g.started)
+        if reading:
+            self.engine.prefill(reading, self.prefill_chunk)
+        generations = [g for _, g in self._active if not g.reading]
+        if not generations:
             return
-        generations = [g for _, g in self._active]
-        timing = self.engine.step(generations, self._num_draft_tokens(generations))
+        joining = [g for _, g in self._active if g.reading]
+        ks = self._num_draft_tokens(generations, joining)
+        timing = self.engine.step(generations, ks)
         if self.policy is not None:
             self.policy.observe(timing)
         self.counters.iterations += 1
@@ -195,11 +222,26 @@ class Scheduler:
         for request, g in [pair for pair in self._active if pair[1].done]:
             self._finish(request, g)
 
-    def _num_draft_tokens(self, generations: list[Generation]) -> list[int]:
+    def _count_prompt(self, g: Generation) -> None:
+        """Count a started generation's prompt and what its row had cached of it."""
+        c = self.counters
+        c.prompt_tokens += g.prompt_len
+        c.prefix_queries += 1
+        c.prefix_hits += g.stats.cached_prompt_tokens > 0
+        c.cached_tokens["verifier"] += g.stats.cached_prompt_tokens
+        c.cached_tokens["draft"] += g.stats.draft_cached_prompt_tokens
+
+    def _num_draft_tokens(
+        self, generations: list[Generation], joining: list[Generation]
+    ) -> list[int]:
         """K of each generation: the policy's choice where it leaves K open, else the engine's
-        ``draft_tokens`` (the spec's own K, or the engine's ``max_draft_tokens``)."""
+        ``draft_tokens`` (the spec's own K, or the engine's ``max_draft_tokens``). The policy
+        chooses for the batch these rows make with the ``joining`` ones (still reading their
+        prompts): a K worth drafting for a few rows is not worth it for the batch they are
+        about to become, and a drafter that starts would first read its row's prompt."""
         if self.policy is not None:
-            return self.policy.choose(generations, self.engine.behind(generations))
+            rows = generations + joining
+            return self.policy.choose(rows, self.engine.behind(rows))[: len(generations)]
         return [self.engine.draft_tokens(g.spec) for g in generations]
 
     def _finish(self, request: Request, g: Generation) -> None:

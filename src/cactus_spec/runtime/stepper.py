@@ -1,6 +1,10 @@
 """One iteration over a batch of generations: draft, verify in ONE forward, keep, roll back.
 
-For B generations in rows r_1..r_B, an iteration
+Before its first iteration a generation is started in its row (``start``: the row keeps the
+longest prefix its caches share with the prompt, ``prefixes``) and its prompt is read
+(``prefill``: all but the last token, in chunks under a token budget if the caller wants,
+prompts of similar lengths in one forward). Then, for B generations in rows r_1..r_B, an
+iteration
 
 1. asks the drafter for K_b tokens per row (one draft forward per step over the rows still
    drafting; K_b = 0 for an autoregressive row, or when the budget is spent);
@@ -35,6 +39,7 @@ from cactus_spec.core.sampling import draw, logits_to_probs
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
+from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -53,28 +58,69 @@ class StepTiming:
 class Stepper:
     """Advances generations that occupy rows of ``verifier`` (and of the drafter's model)."""
 
-    def __init__(self, verifier: Backend, drafter: Drafter | None, vocab_size: int) -> None:
+    def __init__(
+        self,
+        verifier: Backend,
+        drafter: Drafter | None,
+        vocab_size: int,
+        prefixes: PrefixCache | None = None,
+    ) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.vocab_size = vocab_size
+        self.prefixes = PrefixCache() if prefixes is None else prefixes
 
-    def prefill(self, generations: Sequence[Generation]) -> None:
-        """Empty the generations' rows and feed the verifier each prompt but the last token
-        (which the first iteration feeds with the drafts); counted as verifier time. The
-        drafter reads a prompt only when its row first drafts (``drafters``)."""
+    def choose_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
+        """The free row a new ``prompt`` should take: the one holding its longest prefix
+        (``prefixes``), else the first."""
+        lengths = [self.verifier.length_of(row) for row in free]
+        return self.prefixes.choose(prompt, free, lengths)
+
+    def start(self, generations: Sequence[Generation]) -> None:
+        """Begin the generations in their rows: each row keeps the longest prefix its caches
+        share with the prompt (prefix caching; none when it is off), and ``prefill`` reads
+        the rest."""
+        reuse = self.prefixes.enabled
         for g in generations:
-            self.verifier.reset(g.row)
+            held = self.prefixes.held(g.row, self.verifier.length_of(g.row))
+            g.read = min(common_prefix_length(held, g.context), max(0, g.prompt_len - 1))
+            self.verifier.rollback(g.read, g.row)
+            g.stats.cached_prompt_tokens = g.read
             if self.drafter is not None:
-                self.drafter.reset(g.row)
-        todo = [g for g in generations if g.prompt_len > 1]
-        if not todo:
-            return
+                kept = self.drafter.start(g.row, g.context[: g.prompt_len], reuse)
+                g.stats.draft_cached_prompt_tokens = kept
+            self.prefixes.record(g.row, g.context)
+
+    def forget(self) -> None:
+        """Another user of the verifier's rows (scoring, a calibration) overwrote them."""
+        self.prefixes.forget()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def prefill(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Feed the verifier the generations' unread prompt tokens (all but each prompt's
+        last, which the first iteration feeds with the drafts), in the generations' order
+        and at most ``budget`` in all (None: every one), in as few forwards as padding
+        allows; counted as verifier time. Returns the tokens read. The drafter reads a
+        prompt only when its row first drafts (``drafters``)."""
+        chunks: list[tuple[Generation, list[int]]] = []
+        left = budget
+        for g in generations:
+            unread = g.prompt_len - 1 - g.read
+            take = unread if left is None else min(left, unread)
+            if take > 0:
+                chunks.append((g, g.context[g.read : g.read + take]))
+                left = None if left is None else left - take
+        if not chunks:
+            return 0
         start = time.perf_counter()
-        prompts = [g.context[:-1] for g in todo]
-        self.verifier.append_ragged(prompts, [g.row for g in todo], last_only=True)
+        pieces = [piece for _, piece in chunks]
+        self.verifier.append_ragged(pieces, [g.row for g, _ in chunks], last_only=True)
         elapsed = self._elapsed(start)
-        for g in todo:
+        for g, piece in chunks:
+            g.read += len(piece)
             g.stats.time_verify_s += elapsed
+        return sum(len(piece) for piece in pieces)
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting (0 without

@@ -369,6 +369,7 @@ class _Answer:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
             "speculative": {
                 "iterations": s.iterations,
                 "drafted_tokens": s.drafted,

@@ -8,7 +8,8 @@ _PREFIX = "cactus_spec"
 
 
 def prometheus_text(scheduler: Scheduler) -> str:
-    """Requests, tokens, acceptance, divergence, throughput, queue length and batch size."""
+    """Requests, tokens, acceptance, divergence, prefix caching, throughput, queue length and
+    batch size."""
     c = scheduler.counters
     lines: list[str] = []
 
@@ -32,6 +33,26 @@ def prometheus_text(scheduler: Scheduler) -> str:
     kl = c.kl_nats / c.tokens if c.tokens else 0.0
     metric("kl_nats_total", "counter", "Divergence meter, nats (sum).", {"": c.kl_nats})
     metric("kl_nats_per_token", "gauge", "Divergence meter per generated token.", {"": kl})
+    metric(
+        "prompt_tokens_total",
+        "counter",
+        "Prompt tokens of started requests.",
+        {"": c.prompt_tokens},
+    )
+    metric(
+        "prefix_cache_queries_total",
+        "counter",
+        "Started requests (each looks for a cached prefix).",
+        {"": c.prefix_queries},
+    )
+    metric(
+        "prefix_cache_hits_total",
+        "counter",
+        "Started requests whose row held a prefix of the prompt.",
+        {"": c.prefix_hits},
+    )
+    cached = {f'{{model="{model}"}}': n for model, n in c.cached_tokens.items()}
+    metric("prefix_cache_tokens_total", "counter", "Prompt tokens not read again.", cached)
     metric("iterations_total", "counter", "Decode iterations.", {"": c.iterations})
     metric("tokens_per_second", "gauge", "Tokens per second, last 10 s.", {"": c.tokens_per_s()})
     metric("queue_length", "gauge", "Requests waiting for a row.", {"": scheduler.queue_length})

@@ -22,14 +22,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cactus_spec.core.checks import check_int
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.policy import POLICIES
-from cactus_spec.runtime.scheduler import Scheduler
+from cactus_spec.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from cactus_spec.server.protocol import APIError
 
 
 def start_scheduler(
-    engine: SpeculativeDecoder, policy: str = "auto", max_queue: int = 64
+    engine: SpeculativeDecoder,
+    policy: str = "auto",
+    max_queue: int = 64,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Scheduler:
-    """A started scheduler over ``engine``; ``policy`` auto times the models first."""
+    """A started scheduler over ``engine`` reading up to ``prefill_chunk`` prompt tokens per
+    iteration; ``policy`` auto times the models first."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     check_int("max_queue", max_queue)
@@ -37,7 +41,7 @@ def start_scheduler(
     if policy == "auto" and engine.spec.drafts:
         print("timing the models for the speculation policy …", file=sys.stderr)
         chosen = engine.calibrated_policy()
-    scheduler = Scheduler(engine, max_queue, chosen)
+    scheduler = Scheduler(engine, max_queue, chosen, prefill_chunk)
     scheduler.start()
     return scheduler
 

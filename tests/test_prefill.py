@@ -1,0 +1,135 @@
+"""Chunked, batched prefill: prompts are read at most ``prefill_chunk`` tokens per iteration,
+interleaved with the decoding rows' iterations, prompts of similar lengths in one forward;
+every row still decodes the tokens it decodes alone."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from conftest import make_tiny_lm, spec_of
+from test_engine import noisy_copy
+
+from cactus_spec.backends.lean import _forward_groups
+from cactus_spec.core.rules import SpS
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.models import as_loaded
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.scheduler import Request, Scheduler
+
+SAMPLING = SamplingConfig(0.8, 0, 1.0)
+SHORT = [5, 17, 3, 99]
+LONG = [(7 * i + 3) % 120 + 1 for i in range(70)]
+
+
+class Recorded(SpeculativeDecoder):
+    """The engine, logging what each prefill read and which rows each iteration stepped."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, object]] = []
+
+    def prefill(self, generations, budget=None):
+        read = super().prefill(generations, budget)
+        self.log.append(("prefill", read))
+        return read
+
+    def step(self, generations, num_draft_tokens):
+        self.log.append(("step", [g.row for g in generations]))
+        return super().step(generations, num_draft_tokens)
+
+
+def engine(cls=SpeculativeDecoder) -> SpeculativeDecoder:
+    target = make_tiny_lm(seed=0)
+    return cls(target, noisy_copy(target, 0.4, seed=1), spec_of(SpS(), 3), max_batch=2)
+
+
+def serve_two(prefill_chunk: int | None) -> tuple[Recorded, dict[str, list[int]]]:
+    """SHORT and LONG submitted together to a scheduler; their new tokens."""
+    d = engine(Recorded)
+    out: dict[str, list[int]] = {}
+    done = threading.Event()
+
+    def finish(name: str):
+        def record(result) -> None:
+            out[name] = result.token_ids
+            if len(out) == 2:
+                done.set()
+
+        return record
+
+    scheduler = Scheduler(d, max_queue=4, prefill_chunk=prefill_chunk)
+    for name, prompt, budget in (("short", SHORT, 30), ("long", LONG, 8)):
+        request = Request(prompt, budget, SAMPLING, 1, d.spec, on_done=finish(name))
+        scheduler.submit(request)
+    scheduler.start()
+    assert done.wait(60)
+    scheduler.stop()
+    return d, out
+
+
+def alone(prompt: list[int], budget: int) -> list[int]:
+    return engine().generate(prompt, budget, temperature=0.8, top_k=0, top_p=1.0, seed=1).token_ids
+
+
+def test_a_long_prompt_is_read_in_chunks_while_the_other_row_decodes() -> None:
+    d, out = serve_two(prefill_chunk=16)
+    reads = [n for kind, n in d.log if kind == "prefill"]
+    assert sum(reads) == len(SHORT) - 1 + len(LONG) - 1
+    assert max(reads) <= 16 and len(reads) >= (len(LONG) - 1) // 16
+    # while LONG (row 1) is read, SHORT (row 0) decodes: an iteration after each chunk
+    last_read = max(i for i, (kind, _) in enumerate(d.log) if kind == "prefill")
+    steps_while_reading = [rows for kind, rows in d.log[:last_read] if kind == "step"]
+    assert len(steps_while_reading) >= 3 and all(rows == [0] for rows in steps_while_reading)
+    assert out["short"] == alone(SHORT, 30)
+    assert out["long"] == alone(LONG, 8)
+
+
+def test_negative_control_without_a_chunk_the_prompt_is_read_at_once() -> None:
+    d, out = serve_two(prefill_chunk=None)
+    reads = [n for kind, n in d.log if kind == "prefill"]
+    assert reads == [len(SHORT) - 1 + len(LONG) - 1]
+    assert out["long"] == alone(LONG, 8)
+
+
+def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
+    """While LONG is read, the policy is asked about both rows (the batch forming), and
+    only SHORT's K is used."""
+    asked: list[list[int]] = []
+
+    class Recording(SpeculationPolicy):
+        def choose(self, generations, behind):
+            asked.append([g.row for g in generations])
+            return super().choose(generations, behind)
+
+    scheduler = Scheduler(engine(), max_queue=4, policy=Recording(3), prefill_chunk=16)
+    done = threading.Event()
+    auto = spec_of(SpS(), None)  # K left to the policy
+    for prompt, budget in ((SHORT, 30), (LONG, 8)):
+        request = Request(prompt, budget, SAMPLING, 1, auto, on_done=lambda _: done.set())
+        scheduler.submit(request)
+    scheduler.start()
+    assert done.wait(60)
+    scheduler.stop()
+    assert asked[0] == [0, 1]  # SHORT steps, LONG reads: both count
+
+
+def test_long_rows_of_similar_lengths_share_a_forward() -> None:
+    groups = _forward_groups([3, 100, 90, 40, 5, 20])
+    assert groups == [[0, 4], [1, 2], [3], [5]]
+    lengths = [100, 90, 80, 75, 74, 17, 16]
+    for group in _forward_groups(lengths):
+        widths = [lengths[i] for i in group]
+        assert max(widths) <= 16 or min(widths) >= 0.75 * max(widths)
+    assert sorted(i for g in _forward_groups(lengths) for i in g) == list(range(len(lengths)))
+
+
+def test_prompts_read_in_one_forward_give_the_logits_they_give_alone() -> None:
+    backend = make_backend(as_loaded("verifier", make_tiny_lm(seed=0)), "lean", 3)
+    prompts = [LONG[:40], LONG[5:40], LONG[10:52]]
+    together = backend.append_ragged(prompts, [0, 1, 2])
+    for row, (prompt, logits) in enumerate(zip(prompts, together, strict=True)):
+        backend.reset(row)
+        torch.testing.assert_close(logits, backend.append(prompt, row=row), rtol=0, atol=1e-5)
