@@ -48,6 +48,10 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--drafter", "ngram", "--draft", "/no/draft.gguf"], "--draft does not apply"),
         (["--seed", str(2**64)], r"--seed must be an integer in \[0, 2\*\*64 - 1\]"),
         (["--dtype", "int3"], "dtype must be one of"),
+        (["--presence-penalty", "3"], r"--presence-penalty must be a number in \[-2, 2\]"),
+        (["--repetition-penalty", "0"], r"--repetition-penalty must be a number in \(0, 10\]"),
+        (["--min-p", "2"], r"min_p must be in \[0, 1\]"),
+        (["--logprobs", "21"], r"--logprobs must be an integer in \[0, 20\]"),
     ],
 )
 def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> None:

@@ -245,3 +245,53 @@ def test_a_bad_model_arg_is_one_line_naming_it(args: str, named: str) -> None:
     with pytest.raises(ValueError, match=named) as caught:
         CactusSpecLM.create_from_arg_string(f"verifier=nowhere/at-all,{args}")
     assert "\n" not in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def served_sps(smollm: LoadedModel):
+    """A live ``cactus-spec serve`` app: SpS (K = 3) on SmolLM2, two rows."""
+    from cactus_spec.server.app import ServerConfig, create_app
+    from cactus_spec.server.run import BackgroundServer, start_scheduler
+
+    decoder = SpeculativeDecoder(smollm, smollm, spec_of(SpS(), 3), max_batch=2)
+    scheduler = start_scheduler(decoder, "fixed", 16)
+    app = create_app(scheduler, ServerConfig("smollm2-135m", None, 32))
+    with BackgroundServer(app) as url:
+        yield url, decoder
+    scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "route", "chat"),
+    [
+        ("local-completions", "completions", False),
+        ("local-chat-completions", "chat/completions", True),
+    ],
+)
+def test_lm_evals_api_models_run_a_task_against_the_server(
+    offline, served_sps, model: str, route: str, chat: bool
+) -> None:
+    """lm-eval's own OpenAI-API models pointed at the server: every response is the engine's
+    greedy answer, and the metric is what those answers score."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    url, decoder = served_sps
+    args = f"model=smollm2-135m,base_url={url}/v1/{route},tokenizer_backend=None"
+    results = lm_eval.simple_evaluate(
+        model=model,
+        model_args=f"{args},tokenized_requests=False,num_concurrent=2,max_retries=1",
+        tasks=[GEN],
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
+        apply_chat_template=chat,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    hits = []
+    for sample, doc in zip(samples(results, GEN), jsonl("gen.jsonl"), strict=True):
+        gen_kwargs = sample["arguments"][0][1]
+        options = {"temperature": 0, "stop": gen_kwargs["until"], "chat": chat}
+        want = decoder.generate(doc["question"], gen_kwargs["max_gen_toks"], **options)
+        assert sample["resps"] == [[want.text]]
+        hits.append(want.text == doc["answer"])
+    assert results["results"][GEN]["exact_match,none"] == pytest.approx(sum(hits) / len(hits))

@@ -5,6 +5,7 @@ every row still decodes the tokens it decodes alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 from conftest import make_tiny_lm, spec_of
@@ -46,9 +47,16 @@ def engine(cls=SpeculativeDecoder) -> SpeculativeDecoder:
     return cls(target, noisy_copy(target, 0.4, seed=1), spec_of(SpS(), 3), max_batch=2)
 
 
-def serve_two(prefill_chunk: int | None) -> tuple[Recorded, dict[str, list[int]]]:
-    """SHORT and LONG submitted together to a scheduler; their new tokens."""
+SHORT_BUDGET, LONG_BUDGET = 40, 8
+
+
+def serve_two(
+    prefill_chunk: int | None, policy: SpeculationPolicy | None = None
+) -> tuple[Recorded, dict[str, list[int]]]:
+    """SHORT decoding (EOS ignored, so it runs its budget), then LONG arriving once SHORT has
+    stepped; their new tokens. With ``policy``, both leave K to it."""
     d = engine(Recorded)
+    spec = d.spec if policy is None else spec_of(SpS(), None)
     out: dict[str, list[int]] = {}
     done = threading.Event()
 
@@ -60,38 +68,51 @@ def serve_two(prefill_chunk: int | None) -> tuple[Recorded, dict[str, list[int]]
 
         return record
 
-    scheduler = Scheduler(d, max_queue=4, prefill_chunk=prefill_chunk)
-    for name, prompt, budget in (("short", SHORT, 30), ("long", LONG, 8)):
-        request = Request(prompt, budget, SAMPLING, 1, d.spec, on_done=finish(name))
-        scheduler.submit(request)
+    scheduler = Scheduler(d, max_queue=4, policy=policy, prefill_chunk=prefill_chunk)
     scheduler.start()
+    short = Request(SHORT, SHORT_BUDGET, SAMPLING, 1, spec, on_done=finish("short"))
+    short.ignore_eos = True
+    scheduler.submit(short)
+    deadline = time.monotonic() + 30
+    while not any(kind == "step" for kind, _ in d.log) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    scheduler.submit(Request(LONG, LONG_BUDGET, SAMPLING, 1, spec, on_done=finish("long")))
     assert done.wait(60)
     scheduler.stop()
     return d, out
 
 
-def alone(prompt: list[int], budget: int) -> list[int]:
-    return engine().generate(prompt, budget, temperature=0.8, top_k=0, top_p=1.0, seed=1).token_ids
+def alone(prompt: list[int], budget: int, ignore_eos: bool = False) -> list[int]:
+    """The tokens of ``prompt`` decoded alone."""
+    d = engine()
+    request = Request(prompt, budget, SAMPLING, 1, d.spec)
+    request.ignore_eos = ignore_eos
+    g = d.new_generation(request, 0)
+    d.prefill([g])
+    while not g.done:
+        d.step([g], [3])
+    return g.new_ids
 
 
 def test_a_long_prompt_is_read_in_chunks_while_the_other_row_decodes() -> None:
     d, out = serve_two(prefill_chunk=16)
     reads = [n for kind, n in d.log if kind == "prefill"]
-    assert sum(reads) == len(SHORT) - 1 + len(LONG) - 1
-    assert max(reads) <= 16 and len(reads) >= (len(LONG) - 1) // 16
+    assert reads[0] == len(SHORT) - 1  # nothing ran yet: read at once
+    assert sum(reads[1:]) == len(LONG) - 1 and max(reads[1:]) <= 16
     # while LONG (row 1) is read, SHORT (row 0) decodes: an iteration after each chunk
-    last_read = max(i for i, (kind, _) in enumerate(d.log) if kind == "prefill")
-    steps_while_reading = [rows for kind, rows in d.log[:last_read] if kind == "step"]
-    assert len(steps_while_reading) >= 3 and all(rows == [0] for rows in steps_while_reading)
-    assert out["short"] == alone(SHORT, 30)
-    assert out["long"] == alone(LONG, 8)
+    long_reads = [i for i, (kind, _) in enumerate(d.log) if kind == "prefill"][1:]
+    first, last = long_reads[0], long_reads[-1]
+    between = [rows for kind, rows in d.log[first:last] if kind == "step"]
+    assert len(between) >= 3 and all(rows == [0] for rows in between)
+    assert out["short"] == alone(SHORT, SHORT_BUDGET, ignore_eos=True)
+    assert out["long"] == alone(LONG, LONG_BUDGET)
 
 
 def test_negative_control_without_a_chunk_the_prompt_is_read_at_once() -> None:
     d, out = serve_two(prefill_chunk=None)
     reads = [n for kind, n in d.log if kind == "prefill"]
-    assert reads == [len(SHORT) - 1 + len(LONG) - 1]
-    assert out["long"] == alone(LONG, 8)
+    assert reads == [len(SHORT) - 1, len(LONG) - 1]
+    assert out["long"] == alone(LONG, LONG_BUDGET)
 
 
 def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
@@ -104,16 +125,10 @@ def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
             asked.append([g.row for g in generations])
             return super().choose(generations, behind)
 
-    scheduler = Scheduler(engine(), max_queue=4, policy=Recording(3), prefill_chunk=16)
-    done = threading.Event()
-    auto = spec_of(SpS(), None)  # K left to the policy
-    for prompt, budget in ((SHORT, 30), (LONG, 8)):
-        request = Request(prompt, budget, SAMPLING, 1, auto, on_done=lambda _: done.set())
-        scheduler.submit(request)
-    scheduler.start()
-    assert done.wait(60)
-    scheduler.stop()
-    assert asked[0] == [0, 1]  # SHORT steps, LONG reads: both count
+    d, _ = serve_two(prefill_chunk=16, policy=Recording(3))
+    first_read = next(i for i, (kind, _) in enumerate(d.log[1:], 1) if kind == "prefill")
+    steps_before = sum(kind == "step" for kind, _ in d.log[:first_read])
+    assert asked[steps_before] == [0, 1]  # SHORT steps, LONG reads: both count
 
 
 def test_long_rows_of_similar_lengths_share_a_forward() -> None:

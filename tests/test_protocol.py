@@ -6,7 +6,14 @@ import pytest
 
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.server.protocol import MAX_DRAFT_TOKENS, APIError, speculative_spec
+from cactus_spec.server.protocol import (
+    MAX_DRAFT_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+    speculative_spec,
+)
 
 #: A server decoding Cactus(1) whose policy picks K (requests may fix it).
 BASE = DecodeSpec.of("cactus", delta=1.0).with_num_draft_tokens(None)
@@ -43,3 +50,40 @@ def test_a_bad_speculative_object_is_a_400_naming_its_key(options, param, words)
         speculative_spec(options, BASE)
     assert caught.value.status == 400 and caught.value.param == param
     assert words in caught.value.message
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "store": True}, "store"),
+        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "best_of": 3}, "best_of"),
+        ({**COMPLETION, "suffix": "}"}, "suffix"),
+    ],
+)
+def test_a_field_the_server_does_not_honour_is_a_400_naming_it(body, field) -> None:
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(APIError) as caught:
+        parse(model, body)
+    assert caught.value.status == 400 and caught.value.param == field
+    assert "not supported" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {**CHAT, "frequency_penalty": 0, "presence_penalty": 0.0},
+        {**CHAT, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"},
+        {**CHAT, "logit_bias": {}, "store": False, "user": "u", "metadata": {"a": "b"}},
+        {**COMPLETION, "logprobs": None, "echo": False, "best_of": 1, "suffix": ""},
+    ],
+)
+def test_neutral_values_and_fields_that_change_nothing_pass(body) -> None:
+    parse(ChatCompletionRequest if "messages" in body else CompletionRequest, body)

@@ -18,7 +18,9 @@ import openai
 import pytest
 from conftest import spec_of
 
+from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.server.app import ServerConfig, create_app
@@ -178,6 +180,80 @@ def test_a_second_chat_turn_reuses_the_first_and_equals_offline(served: Served, 
     assert second.choices[0].message.content == expected.text
 
 
+def test_logprobs_are_the_verifiers_q_streamed_and_whole(served: Served, offline, smollm) -> None:
+    """Each emitted token's logprob is log q recomputed offline from the verifier alone (after
+    the request's temperature, top-k and top-p), streamed as whole; completions too."""
+    args = {"model": MODEL_ID, "max_tokens": 10, "temperature": 0.8, "top_p": 0.95, "seed": 9}
+    args["extra_body"] = {"top_k": 20, "speculative": SPECULATIVE}
+    question = "Name a colour."
+    messages = [{"role": "user", "content": question}]
+    asked = {"logprobs": True, "top_logprobs": 2}
+    whole = served.client.chat.completions.create(messages=messages, **asked, **args)
+    content = whole.choices[0].logprobs.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob for e in content)
+    stream = served.client.chat.completions.create(messages=messages, **asked, stream=True, **args)
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [e.token for chunk in chunks for e in chunk.content] == [e.token for e in content]
+    decoder = offline[drafter_of(served)]
+    ids = decoder.generate(question, 10, 0.8, 20, 0.95, 9).token_ids  # the same tokens
+    assert [e.token for e in content] == [decoder.tokenizer.decode([t]) for t in ids]
+    backend = TransformersBackend(smollm.model)
+    feed = decoder.encode(question)
+    for token, entry in zip(ids, content, strict=True):
+        q = logits_to_probs(backend.append(feed, keep=1), SamplingConfig(0.8, 20, 0.95))[0]
+        assert entry.logprob == pytest.approx(float(q[token].log()), abs=1e-3)
+        feed = [token]
+    done = complete(served, PROMPTS[3], seed=4, logprobs=1)
+    shaped = done.choices[0].logprobs
+    assert "".join(shaped.tokens).startswith(done.choices[0].text)  # and EOS, if emitted
+    assert len(shaped.top_logprobs) == len(shaped.tokens) == done.usage.completion_tokens
+
+
+def test_n_choices_each_equal_their_seeded_single_request(served: Served, offline) -> None:
+    """Choice i decodes with seed + i: n = 3 gives the three answers of seeds 20, 21, 22,
+    streamed or whole; a list of prompts gives n choices per prompt, in order."""
+    whole = complete(served, PROMPTS[2], seed=20, max_tokens=12, n=3)
+    texts = [offline_text(offline, served, PROMPTS[2], 20 + i, max_tokens=12) for i in range(3)]
+    assert [c.text for c in whole.choices] == texts
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    singles = [complete(served, PROMPTS[2], seed=20 + i, max_tokens=12) for i in range(3)]
+    assert [c.choices[0].text for c in singles] == texts
+    assert whole.usage.completion_tokens == sum(c.usage.completion_tokens for c in singles)
+    assert whole.usage.prompt_tokens == singles[0].usage.prompt_tokens  # counted once
+    stream = complete(served, PROMPTS[2], seed=20, max_tokens=12, n=3, stream=True)
+    pieces = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == texts
+    listed = complete(served, [PROMPTS[0], PROMPTS[1]], seed=5, max_tokens=8, n=2)
+    expected = [
+        offline_text(offline, served, prompt, 5 + i, max_tokens=8)
+        for prompt in PROMPTS[:2]
+        for i in range(2)
+    ]
+    assert [c.text for c in listed.choices] == expected
+
+
+def test_stop_token_ids_end_and_ignore_eos_runs_on(served: Served, offline) -> None:
+    decoder = offline[drafter_of(served)]
+    question = "Reply with the single word yes."
+    alone = decoder.generate(question, 24, 0.8, 20, 0.95, 2)
+    assert alone.finish_reason == "stop" and len(alone.token_ids) < 24  # ends at EOS
+    args = {"model": MODEL_ID, "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 2}
+    messages = [{"role": "user", "content": question}]
+    extra = {"top_k": 20, "speculative": SPECULATIVE}
+    on = served.client.chat.completions.create(
+        messages=messages, extra_body={**extra, "ignore_eos": True}, **args
+    )
+    assert on.usage.completion_tokens == 24 and on.choices[0].finish_reason == "length"
+    first = alone.token_ids[0]
+    cut = served.client.chat.completions.create(
+        messages=messages, extra_body={**extra, "stop_token_ids": [first]}, **args
+    )
+    assert cut.usage.completion_tokens == 1 and cut.choices[0].finish_reason == "stop"
+
+
 def test_sixteen_concurrent_clients_each_equal_offline(served: Served, offline) -> None:
     jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
@@ -219,7 +295,13 @@ def one(smollm):
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"max_tokens": 9000}, "max_tokens", "context overflow"),
-        ({"n": 2}, "n", "less than or equal to 1"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"logprobs": 6}, "logprobs", "less than or equal to 5"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "keys are token ids"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias", "is not in [0,"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "must lie in"),
+        ({"echo": True}, "echo", "not supported"),
         ({"speculative": {"method": "sps", "delta": 1.0}}, "speculative", "delta does not apply"),
         ({"speculative": {"method": "cactus", "delta": -1}}, "speculative", "delta"),
         ({"speculative": {"method": "nope"}}, "speculative", "method must be one of"),

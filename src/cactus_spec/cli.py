@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
@@ -80,6 +81,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="an integer in [0, 2**64 - 1]")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p in [0, 1] (0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10] (1: off)")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        help="with --json: each new token's log q and this many alternatives (0-20)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
@@ -318,10 +328,13 @@ def _engine(
 def run_generate(args: argparse.Namespace) -> int:
     from cactus_spec.runtime.engine import check_prompt_text
     from cactus_spec.runtime.generation import check_stops
+    from cactus_spec.runtime.logprobs import check_logprobs
 
     # Cheap checks first, so a typo fails before any model loads.
     spec = _spec(args)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p)
+    penalties = _penalties(args)
+    check_logprobs(args.logprobs, "--logprobs")
     check_stops(args.stop)
     _check_counts(args)
     check_seed(args.seed, "--seed")
@@ -347,11 +360,15 @@ def run_generate(args: argparse.Namespace) -> int:
         args.stop,
         chat=not args.no_chat,
         on_text=stream,
+        logprobs=args.logprobs,
+        penalties=penalties,
+        min_p=sampling.min_p,
     )
     if args.json:
         payload = {
             "text": result.text,
             "token_ids": result.token_ids,
+            "logprobs": None if result.logprobs is None else [asdict(e) for e in result.logprobs],
             "interrupted": result.interrupted,
             "spec": spec.as_dict(),
             "stats": result.stats.as_dict(),
@@ -365,6 +382,16 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
         Console().print(_stats_table(result, divergence))
     return 130 if result.interrupted else 0
+
+
+def _penalties(args: argparse.Namespace):
+    """The penalty flags as ``Penalties``; ValueError naming the flag."""
+    from cactus_spec.core.penalties import Penalties
+
+    try:
+        return Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-', 1)}") from None
 
 
 def _stats_table(result, divergence=None) -> Table:

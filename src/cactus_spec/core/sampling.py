@@ -1,8 +1,9 @@
 """From logits to the distributions p and q, and seeded draws from them.
 
-Draft and verifier logits go through the same processing, in this order:
-temperature, then top-k, then top-p (nucleus), then renormalisation. At
-temperature 0 the distribution is one-hot at the argmax (greedy decoding).
+Draft and verifier logits go through the same processing, in this order: temperature, then
+min-p (drop tokens less likely than min_p times the most likely one), then top-k, then top-p
+(nucleus), then renormalisation. At temperature 0 the distribution is one-hot at the argmax
+(greedy decoding).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ GREEDY_BELOW = 1e-5
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Temperature (below GREEDY_BELOW, 0 included: greedy), top-k (0 = off) and top-p
-    (1 = off)."""
+    """Temperature (below GREEDY_BELOW, 0 included: greedy), top-k (0 = off), top-p
+    (1 = off) and min-p (0 = off)."""
 
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
@@ -42,6 +44,10 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not (
+            isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1
+        ):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +64,9 @@ def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     logits = logits.float()
     if config.greedy:
         return one_hot(logits.argmax(-1), logits.shape[-1])
+    if config.min_p > 0:  # p_x >= min_p p_max  <=>  (l_x - l_max) / T >= log(min_p)
+        gap = (logits - logits.amax(-1, keepdim=True)) / config.temperature
+        logits = logits.masked_fill(gap < math.log(config.min_p), float("-inf"))
     if 0 < config.top_k < logits.shape[-1]:
         values, ids = logits.topk(config.top_k, dim=-1)  # [..., k], descending
         kept = _sorted_nucleus(torch.softmax(values / config.temperature, -1), config.top_p)

@@ -9,7 +9,7 @@ heads) is a new class here, with no change to the decode loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,13 +32,21 @@ class Draft:
 @dataclass(frozen=True)
 class DraftRequest:
     """One row's ask: up to ``num_draft_tokens`` tokens after ``context``, drawn with
-    ``generator``."""
+    ``generator`` from ``process(logits [1, V], drafts so far)`` (the row's penalties and
+    sampling; default: ``sampling`` alone)."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
     num_draft_tokens: int
     sampling: SamplingConfig
     generator: torch.Generator
+    process: Callable[[Tensor, Sequence[int]], Tensor] | None = None
+
+    def probs(self, logits: Tensor, drafted: Sequence[int]) -> Tensor:
+        """p [1, V] of the next draft after ``drafted``."""
+        if self.process is None:
+            return logits_to_probs(logits, self.sampling)
+        return self.process(logits, drafted)
 
 
 class Drafter(Protocol):
@@ -116,7 +124,7 @@ class ModelDrafter:
             logits = self.backend.append_ragged(feeds, rows_fed, last_only=True)
             for i, row_logits in zip(active, logits, strict=True):
                 r = requests[i]
-                probs = logits_to_probs(row_logits[-1:, : self.vocab_size], r.sampling)  # [1, V]
+                probs = r.probs(row_logits[-1:, : self.vocab_size], tokens[i])  # [1, V]
                 token = draw(probs, r.sampling.greedy, r.generator)
                 rows[i].append(probs)
                 tokens[i].append(token)

@@ -30,6 +30,7 @@ from torch import Tensor
 from cactus_spec.backends.quant import check_quant
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
+from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
@@ -44,6 +45,7 @@ from cactus_spec.runtime.generation import (
     GenerationStats,
     check_stops,
 )
+from cactus_spec.runtime.logprobs import check_logprobs
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
 from cactus_spec.runtime.prefixes import PrefixCache
 from cactus_spec.runtime.scheduler import Request
@@ -195,6 +197,9 @@ class SpeculativeDecoder:
         chat: bool = True,
         on_text: Callable[[str], None] | None = None,
         spec: DecodeSpec | None = None,
+        logprobs: int | None = None,
+        penalties: Penalties | None = None,
+        min_p: float = 0.0,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt`` by ``spec`` (default:
         the engine's; K None drafts ``max_draft_tokens``).
@@ -203,14 +208,22 @@ class SpeculativeDecoder:
         ``token_ids`` end with the token that completed it), or at the budget. Ctrl-C returns
         what was generated so far, with ``interrupted=True``. ``on_text`` receives each new
         piece of text. ``seed`` is an integer in [0, 2**64 - 1]; the same seed gives the
-        same tokens.
+        same tokens. ``logprobs`` = N puts each new token's log q and its N most likely
+        alternatives in the result (``runtime.logprobs``). ``penalties`` (repetition,
+        frequency, presence, logit bias: ``core.penalties``) and ``min_p`` apply to the
+        draft's and the verifier's distributions alike.
         """
-        sampling = SamplingConfig(temperature, top_k, top_p)
+        sampling = SamplingConfig(temperature, top_k, top_p, min_p)
         spec = self._spec(spec)
         stops = check_stops(stop)
         prompt_ids = self.encode(prompt, chat)
         self._check_prompt(Prompt(prompt_ids, max_new_tokens, seed, tuple(stops)), spec)
+        check_logprobs(logprobs)
         request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops, on_text)
+        request.logprobs = logprobs
+        if penalties is not None:
+            penalties.check_tokens(self.vocab_size)
+            request.penalties = penalties
         generation = self.new_generation(request, row=0)
         k = self.draft_tokens(spec)
         try:
@@ -290,12 +303,15 @@ class SpeculativeDecoder:
             request.sampling,
             request.seed,
             spec=request.spec,
-            eos_ids=self.verifier.eos_ids,
+            eos_ids=_ends(self.verifier.eos_ids, request),
             tokenizer=self.tokenizer,
             stop=request.stop,
             on_text=request.on_text,
             device=self.verifier.device,
             row=row,
+            logprobs=request.logprobs,
+            on_logprobs=request.on_logprobs,
+            penalties=request.penalties,
         )
         self._stepper.start([generation])
         return generation
@@ -332,6 +348,12 @@ class SpeculativeDecoder:
         if not isinstance(spec, DecodeSpec):
             raise TypeError(f"spec must be a DecodeSpec (DecodeSpec.of(...)), got {spec!r}")
         return spec
+
+
+def _ends(eos_ids: frozenset[int], request: Request) -> frozenset[int]:
+    """The tokens that end ``request``'s generation: EOS (unless it ignores EOS) and its
+    stop tokens."""
+    return (frozenset() if request.ignore_eos else eos_ids) | frozenset(request.stop_token_ids)
 
 
 def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:

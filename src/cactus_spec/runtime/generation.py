@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.penalties import Penalties
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.runtime.logprobs import TokenLogprob, token_logprobs
 
 
 @dataclass
@@ -114,13 +116,15 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
-    """``token_ids``: the new tokens only; ``text``: None without a tokenizer."""
+    """``token_ids``: the new tokens only; ``text``: None without a tokenizer; ``logprobs``:
+    each new token's log q and alternatives (``runtime.logprobs``), when asked for."""
 
     token_ids: list[int]
     text: str | None
     stats: GenerationStats
     interrupted: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", None if cut off
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -141,6 +145,9 @@ class Generation:
         on_text: Callable[[str], None] | None = None,
         device: torch.device | str = "cpu",
         row: int = 0,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+        penalties: Penalties | None = None,
     ) -> None:
         self.row = row
         self.context = list(prompt_ids)
@@ -154,6 +161,11 @@ class Generation:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.on_text = on_text
+        self.logprobs = logprobs  # alternatives per token, or None: no log-probabilities
+        self.on_logprobs = on_logprobs
+        self.token_logprobs: list[TokenLogprob] = []
+        self.penalties = penalties if penalties is not None and penalties.active else None
+        self._prompt_tokens: torch.Tensor | None = None  # [V] bool, for the repetition penalty
         self.stats = GenerationStats()
         self.streamed = ""
         self.done = False
@@ -163,6 +175,22 @@ class Generation:
     @property
     def new_ids(self) -> list[int]:
         return self.context[self.prompt_len :]
+
+    def process(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """The distributions [T, V] of logits [T, V]: the penalties (row t counting the
+        output and the first len(drafts) - T + 1 + t drafts, ``core.penalties``), then the
+        sampling processing. The drafter and the verifier both call this, so p and q of a
+        position are processed alike."""
+        if self.penalties is not None:
+            width = logits.shape[-1]
+            new = torch.tensor(self.new_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(new, minlength=width)[:width]  # [V]
+            if self._prompt_tokens is None:
+                prompt = torch.tensor(self.context[: self.prompt_len], device=logits.device)
+                self._prompt_tokens = torch.zeros(width, dtype=torch.bool, device=logits.device)
+                self._prompt_tokens[prompt[prompt < width]] = True
+            logits = self.penalties.apply(logits, counts, self._prompt_tokens, drafts)
+        return logits_to_probs(logits, self.sampling)
 
     @property
     def reading(self) -> bool:
@@ -187,12 +215,31 @@ class Generation:
         self.stats.time_total_s = time.perf_counter() - self.started
         self.stats.new_tokens = len(self.new_ids)
         return GenerationResult(
-            self.new_ids, self.text(), self.stats, interrupted, self.finish_reason
+            self.new_ids,
+            self.text(),
+            self.stats,
+            interrupted,
+            self.finish_reason,
+            None if self.logprobs is None else self.token_logprobs,
         )
 
-    def emit(self, tokens: list[int]) -> int:
-        """Append tokens, honouring the budget, EOS and stop strings; stream new text.
+    def emit(self, tokens: list[int], q: torch.Tensor | None = None) -> int:
+        """Append tokens, honouring the budget, EOS and stop strings; stream new text (and
+        the kept tokens' log q, from q [>= len(tokens), V], the rows they were emitted at).
         Returns how many of ``tokens`` were kept."""
+        kept = self._append(tokens)
+        if self.logprobs is not None and q is not None:
+            entries = token_logprobs(q, tokens[:kept], self.logprobs)
+            self.token_logprobs += entries
+            if self.on_logprobs is not None:
+                self.on_logprobs(entries)
+        if self.on_text is not None and self.tokenizer is not None:
+            text = self._decode()
+            self._stream(text[: _first_stop(text, self.stop)])
+        return kept
+
+    def _append(self, tokens: list[int]) -> int:
+        """Append tokens up to the budget, EOS or a stop string; how many were kept."""
         kept = 0
         for token in tokens:
             self.context.append(token)
@@ -201,16 +248,12 @@ class Generation:
                 self.done = True
                 self.finish_reason = "stop" if token in self.eos else "length"
                 break
-        if self.tokenizer is None or (not self.stop and self.on_text is None):
+        if self.tokenizer is None or not self.stop:
             return kept  # nothing to look for in the text: skip decoding it on the hot path
-        full = self._decode()
-        cut = _first_stop(full, self.stop)
-        if cut is not None:
+        if _first_stop(self._decode(), self.stop) is not None:
             kept = self._cut_at_stop(kept)
             self.done = True
             self.finish_reason = "stop"
-        if self.on_text is not None:
-            self._stream(full[:cut])
         return kept
 
     def _cut_at_stop(self, kept: int) -> int:

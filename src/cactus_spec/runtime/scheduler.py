@@ -22,9 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import Generation, GenerationResult
+from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.policy import SpeculationPolicy
 from cactus_spec.runtime.stepper import StepTiming
 
@@ -56,6 +58,11 @@ class Request:
     on_done: Callable[[GenerationResult], None] | None = None
     on_error: Callable[[BaseException], None] | None = None
     cancelled: bool = False
+    logprobs: int | None = None  # alternatives per token (``runtime.logprobs``), None: none
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+    penalties: Penalties | None = None
+    stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -207,9 +214,10 @@ class Scheduler:
             self._release(request, g)
             self.counters.requests_cancelled += 1
         reading = sorted((g for _, g in self._active if g.reading), key=lambda g: g.started)
-        if reading:
-            self.engine.prefill(reading, self.prefill_chunk)
         generations = [g for _, g in self._active if not g.reading]
+        if reading:  # a chunk protects running rows; with none, every prompt is read now
+            self.engine.prefill(reading, self.prefill_chunk if generations else None)
+            generations = [g for _, g in self._active if not g.reading]
         if not generations:
             return
         joining = [g for _, g in self._active if g.reading]

@@ -35,7 +35,7 @@ from torch import Tensor
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.audit import step_divergences
 from cactus_spec.core.rules import draft_row
-from cactus_spec.core.sampling import draw, logits_to_probs
+from cactus_spec.core.sampling import draw
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
@@ -141,8 +141,8 @@ class Stepper:
         logits = self.verifier.append_ragged(feeds, [g.row for g in generations])  # [K_b+1, V]
         verify_s = self._elapsed(start)
         qs = [
-            logits_to_probs(row_logits[:, : self.vocab_size], g.sampling)  # [K_b+1, V]
-            for g, row_logits in zip(generations, logits, strict=True)
+            g.process(row_logits[:, : self.vocab_size], d.tokens)  # [K_b+1, V]
+            for g, d, row_logits in zip(generations, drafts, logits, strict=True)
         ]
         chosen = _tokens(generations, drafts, qs)
         emitted = 0
@@ -150,7 +150,7 @@ class Stepper:
             g.stats.time_verify_s += verify_s
             accepted = len(tokens) - 1
             self.verifier.rollback(length + 1 + accepted, g.row)
-            count = g.emit(tokens)
+            count = g.emit(tokens, q)
             emitted += count
             g.stats.record(len(draft.tokens), accepted, count)
             if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
@@ -163,7 +163,7 @@ class Stepper:
         steps, and their wall time (added to the draft time of every row that drafted)."""
         counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
-            DraftRequest(g.row, g.context, k, g.sampling, g.generator)
+            DraftRequest(g.row, g.context, k, g.sampling, g.generator, g.process)
             for g, k in zip(generations, counts, strict=True)
             if k > 0
         ]

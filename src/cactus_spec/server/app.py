@@ -22,10 +22,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.penalties import Penalties
+from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
 from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
 from cactus_spec.server import schema
+from cactus_spec.server.answers import Answer
 from cactus_spec.server.metrics import prometheus_text
 from cactus_spec.server.protocol import (
     APIError,
@@ -184,7 +187,7 @@ class _Handler:
         await self._until_idle(grace_s)
         for pending, events in list(self.live.items()):
             self.scheduler.cancel(pending)
-            events.put_nowait(("shutdown", None))
+            events.put_nowait(("shutdown", None, None))
         await self._until_idle(5.0)  # their final answers go out
 
     async def _until_idle(self, seconds: float) -> None:
@@ -193,8 +196,9 @@ class _Handler:
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def request(self, body: SamplingFields, chat: bool) -> Request:
-        """The scheduler request of ``body``: every field checked, 400 naming the bad one."""
+    def requests(self, body: SamplingFields, chat: bool) -> list[Request]:
+        """The scheduler requests of ``body``, one per choice (choice ``p n + i`` is prompt
+        p's i-th, seeded ``seed + i``): every field checked, 400 naming the bad one."""
         if body.model != self.config.model_id:
             raise APIError(
                 404,
@@ -203,15 +207,7 @@ class _Handler:
                 "model",
                 "model_not_found",
             )
-        defaults = SamplingConfig()
-        try:
-            sampling = SamplingConfig(
-                defaults.temperature if body.temperature is None else body.temperature,
-                defaults.top_k if body.top_k is None else body.top_k,
-                defaults.top_p if body.top_p is None else body.top_p,
-            )
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        sampling = _sampling(body)
         spec = speculative_spec(body.speculative, self.engine.spec)
         if spec.drafts and not self.engine.spec.drafts:
             raise APIError(
@@ -221,24 +217,56 @@ class _Handler:
                 "speculative",
             )
         max_tokens = self._max_tokens(body, chat)
-        prompt_ids = self._prompt_ids(body, chat)
-        try:
-            self.engine.check_context(len(prompt_ids), max_tokens, spec)
-        except ValueError as err:
-            raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+        prompts = self._prompts(body, chat)
+        for ids in prompts:
+            try:
+                self.engine.check_context(len(ids), max_tokens, spec)
+            except ValueError as err:
+                raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+        if len(prompts) * body.n > self.scheduler.max_queue:
+            message = f"n: {len(prompts) * body.n} choices exceed the server's queue (--max-queue)"
+            raise APIError(400, message, "n")
         seed = body.seed if body.seed is not None else secrets.randbits(63)
-        return Request(prompt_ids, max_tokens, sampling, seed, spec, body.stops())
+        logprobs, stops = body.logprob_count(), body.stops()
+        penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
+        requests = []
+        for ids in prompts:
+            for i in range(body.n):
+                choice_seed = (seed + i) % (MAX_SEED + 1)
+                request = Request(ids, max_tokens, sampling, choice_seed, spec, stops)
+                request.logprobs, request.penalties = logprobs, penalties
+                request.stop_token_ids, request.ignore_eos = stop_ids, body.ignore_eos
+                requests.append(request)
+        return requests
+
+    def _penalties(self, body: SamplingFields) -> Penalties:
+        penalties = body.penalties()
+        try:
+            penalties.check_tokens(self.engine.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), "logit_bias") from None
+        return penalties
+
+    def _stop_token_ids(self, body: SamplingFields) -> tuple[int, ...]:
+        ids = tuple(body.stop_token_ids or ())
+        if any(not 0 <= token < self.engine.vocab_size for token in ids):
+            message = f"stop_token_ids: token ids must lie in [0, {self.engine.vocab_size})"
+            raise APIError(400, message, "stop_token_ids")
+        return ids
+
+    def _token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
 
     def _max_tokens(self, body: SamplingFields, chat: bool) -> int:
         given = body.max_completion_tokens if chat else None
         return given or body.max_tokens or self.config.default_max_tokens
 
-    def _prompt_ids(self, body: SamplingFields, chat: bool) -> list[int]:
+    def _prompts(self, body: SamplingFields, chat: bool) -> list[list[int]]:
         try:
             if chat:
                 messages = [m.as_template_message() for m in body.messages]
-                return self.engine.encode_chat(messages)
-            return self.engine.encode(body.prompt_value(), chat=False)
+                return [self.engine.encode_chat(messages)]
+            return [self.engine.encode(prompt, chat=False) for prompt in body.prompts()]
         except ValueError as err:
             param = "messages" if chat else "prompt"
             raise APIError(400, f"{param}: {err}", param) from None
@@ -246,60 +274,86 @@ class _Handler:
     async def run(self, request: HTTPRequest, body: SamplingFields, chat: bool):
         if self.closing:
             raise APIError(503, f"{_SHUTTING_DOWN}; retry elsewhere", code="shutting_down")
-        pending = self.request(body, chat)
-        events: asyncio.Queue = asyncio.Queue()
+        pendings = self.requests(body, chat)
+        events: asyncio.Queue = asyncio.Queue()  # (kind, choice index, value)
         loop = asyncio.get_running_loop()
 
-        def send(kind: str) -> Callable:
-            return lambda value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        def send(kind: str, index: int) -> Callable:
+            return lambda value: loop.call_soon_threadsafe(events.put_nowait, (kind, index, value))
 
-        pending.on_text = send("text") if body.stream else None
-        pending.on_done, pending.on_error = send("done"), send("error")
-        try:
-            self.scheduler.submit(pending)
-        except QueueFullError as err:
-            raise APIError(429, f"{err}; retry later", code="queue_full") from None
-        self.live[pending] = events
-        answer = _Answer(self.config.model_id, chat, len(pending.prompt_ids))
+        for index, pending in enumerate(pendings):
+            pending.on_text = send("text", index) if body.stream else None
+            if body.stream and pending.logprobs is not None:
+                pending.on_logprobs = send("logprobs", index)
+            pending.on_done, pending.on_error = send("done", index), send("error", index)
+        self._submit(pendings)
+        for pending in pendings:
+            self.live[pending] = events
+        text = None if pendings[0].logprobs is None else self._token_text
+        prompt_tokens = sum(len(p.prompt_ids) for p in pendings[:: body.n])
+        answer = Answer(self.config.model_id, chat, prompt_tokens, len(pendings), body.n, text)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(pending, events, answer, usage), media_type="text/event-stream"
+                self._stream(pendings, events, answer, usage), media_type="text/event-stream"
             )
         try:
-            return await self._whole(request, pending, events, answer)
+            return await self._whole(request, pendings, events, answer)
         finally:
-            self.live.pop(pending, None)
+            self._forget(pendings)
 
-    async def _whole(self, request: HTTPRequest, pending: Request, events: asyncio.Queue, answer):
-        """Wait for the result, cancelling it if the client goes away."""
-        while True:
+    def _submit(self, pendings: list[Request]) -> None:
+        """Queue every choice, or none: 429 when the queue cannot hold them all."""
+        for count, pending in enumerate(pendings):
             try:
-                kind, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                self.scheduler.submit(pending)
+            except QueueFullError as err:
+                for submitted in pendings[:count]:
+                    self.scheduler.cancel(submitted)
+                raise APIError(429, f"{err}; retry later", code="queue_full") from None
+
+    def _forget(self, pendings: list[Request]) -> None:
+        """The request is answered (or its client left): cancel what still decodes."""
+        for pending in pendings:
+            self.live.pop(pending, None)
+            self.scheduler.cancel(pending)
+
+    async def _whole(
+        self, request: HTTPRequest, pendings: list[Request], events: asyncio.Queue, answer
+    ):
+        """Wait for every choice's result, cancelling them all if the client goes away."""
+        results: dict[int, GenerationResult] = {}
+        while len(results) < len(pendings):
+            try:
+                kind, index, value = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    self.scheduler.cancel(pending)
                     return JSONResponse({}, status_code=499)
                 continue
             if kind == "error":
                 raise APIError(500, f"decoding failed: {value}")
             if kind == "shutdown":
                 raise APIError(503, f"{_SHUTTING_DOWN}; the answer was not finished")
-            if kind == "done":
-                return answer.whole(value)
+            results[index] = value
+        return JSONResponse(answer.whole([results[i] for i in range(len(pendings))]))
 
     async def _stream(
-        self, pending: Request, events: asyncio.Queue, answer, usage: bool
+        self, pendings: list[Request], events: asyncio.Queue, answer, usage: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per piece of text, the finish, usage, [DONE]."""
-        finished = False
+        """Server-sent events: per choice, one chunk per piece of text and its finish; then
+        usage and [DONE]."""
+        results: dict[int, GenerationResult] = {}
+        entries: dict[int, list[TokenLogprob]] = {}  # per choice, since its last chunk
         try:
             if answer.chat:
-                yield _sse(answer.chunk({"role": "assistant", "content": ""}, None))
-            while True:
-                kind, value = await events.get()
-                if kind == "text":
-                    yield _sse(answer.chunk(value, None))
+                for index in range(len(pendings)):
+                    yield _sse(answer.chunk(index, {"role": "assistant", "content": ""}, None))
+            while len(results) < len(pendings):
+                kind, index, value = await events.get()
+                if kind == "logprobs":
+                    entries.setdefault(index, []).extend(value)
+                elif kind == "text":
+                    yield _sse(answer.chunk(index, value, None, entries.pop(index, None)))
                 elif kind == "error":
                     yield _sse(APIError(500, f"decoding failed: {value}").body())
                     break
@@ -307,74 +361,32 @@ class _Handler:
                     yield _sse(APIError(503, f"{_SHUTTING_DOWN}; the answer ends here").body())
                     break
                 else:
-                    yield _sse(answer.chunk("", value.finish_reason or "stop"))
-                    if usage:
-                        yield _sse(
-                            {
-                                **answer.envelope(stream=True),
-                                "choices": [],
-                                "usage": answer.usage(value),
-                            }
-                        )
-                    break
-            finished = True
+                    results[index] = value
+                    reason = value.finish_reason or "stop"
+                    yield _sse(answer.chunk(index, "", reason, entries.pop(index, None)))
+            if usage and len(results) == len(pendings):
+                ordered = [results[i] for i in range(len(pendings))]
+                yield _sse(
+                    {**answer.envelope(stream=True), "choices": [], "usage": answer.usage(ordered)}
+                )
             yield "data: [DONE]\n\n"
         finally:
-            self.live.pop(pending, None)
-            if not finished:
-                self.scheduler.cancel(pending)
+            self._forget(pendings)
+
+
+def _sampling(body: SamplingFields) -> SamplingConfig:
+    """The request's sampling, the defaults where it gives none; 400 when invalid."""
+    defaults = SamplingConfig()
+    try:
+        return SamplingConfig(
+            defaults.temperature if body.temperature is None else body.temperature,
+            defaults.top_k if body.top_k is None else body.top_k,
+            defaults.top_p if body.top_p is None else body.top_p,
+            body.min_p or 0.0,
+        )
+    except ValueError as err:
+        raise APIError(400, str(err)) from None
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-class _Answer:
-    """The response objects of one request, in OpenAI's shapes."""
-
-    def __init__(self, model_id: str, chat: bool, prompt_tokens: int) -> None:
-        self.chat = chat
-        self.model_id = model_id
-        self.prompt_tokens = prompt_tokens
-        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        self.created = int(time.time())
-
-    def envelope(self, stream: bool) -> dict:
-        kind = "chat.completion" if self.chat else "text_completion"
-        if stream and self.chat:
-            kind += ".chunk"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
-
-    def chunk(self, piece: str | dict, finish_reason: str | None) -> dict:
-        if self.chat:
-            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
-        return {**self.envelope(stream=True), "choices": [choice]}
-
-    def whole(self, result: GenerationResult) -> dict:
-        reason = result.finish_reason or "stop"
-        if self.chat:
-            message = {"role": "assistant", "content": result.text}
-            choice = {"index": 0, "message": message, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
-        return {**self.envelope(stream=False), "choices": [choice], "usage": self.usage(result)}
-
-    def usage(self, result: GenerationResult) -> dict:
-        s = result.stats
-        completion = len(result.token_ids)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
-            "speculative": {
-                "iterations": s.iterations,
-                "drafted_tokens": s.drafted,
-                "accepted_tokens": s.accepted,
-                "mean_accepted_length": s.mean_accepted,
-                "kl_nats": s.kl_nats,
-            },
-        }

@@ -1,0 +1,108 @@
+"""The response objects of one request, in OpenAI's shapes: whole answers, stream chunks and
+usage, for one or more choices (``n``, or several completion prompts)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.logprobs import TokenLogprob
+from cactus_spec.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+
+
+class Answer:
+    """One request's answers: ``n`` choices per prompt (choice ``p n + i`` is prompt p's i-th),
+    ``choices`` in all, the prompts ``prompt_tokens`` tokens together; ``token_text`` turns
+    token ids into text, None when no log-probabilities were asked for."""
+
+    def __init__(
+        self,
+        model_id: str,
+        chat: bool,
+        prompt_tokens: int,
+        choices: int,
+        n: int,
+        token_text: TokenText | None,
+    ) -> None:
+        self.chat = chat
+        self.model_id = model_id
+        self.prompt_tokens = prompt_tokens
+        self.choices = choices
+        self.n = n
+        self.token_text = token_text
+        self.offsets = [0] * choices  # characters whose logprobs were sent, per choice
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def envelope(self, stream: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if stream and self.chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
+
+    def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict | None:
+        """Choice ``index``'s ``entries`` in the route's shape; None when none were asked for
+        or there are none."""
+        if self.token_text is None or not entries:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.token_text)
+        shaped = completion_logprobs(entries, self.token_text, self.offsets[index])
+        self.offsets[index] += sum(len(token) for token in shaped["tokens"])
+        return shaped
+
+    def chunk(
+        self,
+        index: int,
+        piece: str | dict,
+        finish_reason: str | None,
+        entries: Sequence[TokenLogprob] | None = None,
+    ) -> dict:
+        """A stream chunk of choice ``index``: a piece of text (a delta dict for chat)."""
+        logprobs = self.logprobs(index, entries)
+        if self.chat:
+            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": piece, "logprobs": logprobs}
+        choice["finish_reason"] = finish_reason
+        return {**self.envelope(stream=True), "choices": [choice]}
+
+    def whole(self, results: Sequence[GenerationResult]) -> dict:
+        """The whole answer: one choice per result, in order."""
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = self.logprobs(index, result.logprobs)
+            if self.chat:
+                message = {"role": "assistant", "content": result.text}
+                choice = {"index": index, "message": message, "logprobs": logprobs}
+            else:
+                choice = {"index": index, "text": result.text, "logprobs": logprobs}
+            choice["finish_reason"] = result.finish_reason or "stop"
+            choices.append(choice)
+        return {**self.envelope(stream=False), "choices": choices, "usage": self.usage(results)}
+
+    def usage(self, results: Sequence[GenerationResult]) -> dict:
+        """Tokens and speculation figures, summed over the choices; each prompt counted once,
+        its cached tokens as its first choice found them."""
+        stats = [r.stats for r in results]
+        completion = sum(len(r.token_ids) for r in results)
+        iterations = sum(s.iterations for s in stats)
+        accepted = sum(s.accepted for s in stats)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(s.cached_prompt_tokens for s in stats[:: self.n])
+            },
+            "speculative": {
+                "iterations": iterations,
+                "drafted_tokens": sum(s.drafted for s in stats),
+                "accepted_tokens": accepted,
+                "mean_accepted_length": accepted / iterations if iterations else 0.0,
+                "kl_nats": sum(s.kl_nats for s in stats),
+            },
+        }
