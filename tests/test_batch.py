@@ -14,6 +14,7 @@ from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
 from cactus_spec.runtime.scheduler import Request
+from cactus_spec.runtime.stepper import StepTiming
 
 #: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
 ROWS = [
@@ -165,6 +166,36 @@ def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:
     assert slight.choose([g], [0]) == [0]
     clear = policy_with(0.002, {1: 0.050, 2: 0.080, 9: 0.45, 144: 7.2})
     assert clear.choose([g], [0]) == [1]
+
+
+def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> None:
+    policy = policy_with(0.002, {1: 0.050, 9: 0.052})
+    policy.catch_up_token_s = 0.0001  # what a calibration guessed
+    steady = StepTiming(
+        rows=1,
+        draft_steps=4,
+        draft_s=0.008,
+        verified_tokens=5,
+        verify_s=0.05,
+        emitted=3,
+        caught_up=2,
+    )
+    policy.observe(steady)
+    assert policy.catch_up_token_s == 0.0001  # a steady step says nothing about catch-ups
+    # 4 steps of 2 ms and 100 tokens read at 1 ms each
+    catch_up = StepTiming(
+        rows=1,
+        draft_steps=4,
+        draft_s=0.108,
+        verified_tokens=5,
+        verify_s=0.05,
+        emitted=3,
+        caught_up=100,
+    )
+    for _ in range(40):
+        policy.observe(catch_up)
+    assert policy.catch_up_token_s == pytest.approx(0.001, rel=0.01)
+    assert policy.draft.estimate(1) == pytest.approx(0.002)  # the table kept steady steps only
 
 
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:

@@ -143,14 +143,21 @@ class SpeculationPolicy:
         return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
     def observe(self, timing: StepTiming) -> None:
-        """Fold one iteration's measured costs into the tables. A draft step that cost more
-        than ``_CATCH_UP_FACTOR`` times its estimate is left out: its time holds the
-        drafter's catch-up on tokens it skipped while K was 0, not the cost of a step."""
+        """Fold one iteration's measured costs into the tables. Draft steps that cost more
+        than ``_CATCH_UP_FACTOR`` times their estimate held the drafters' catch-up on the
+        tokens they had not read (a new prompt, what was emitted while K was 0): their time
+        beyond the estimate, per token caught up, is the catch-up's cost per token."""
         self.verify.observe(timing.verified_tokens, timing.verify_s)
-        if timing.draft_steps:
-            per_step = timing.draft_s / timing.draft_steps
-            if per_step <= _CATCH_UP_FACTOR * self.draft.estimate(timing.rows):
-                self.draft.observe(timing.rows, per_step)
+        if not timing.draft_steps:
+            return
+        expected = self.draft.estimate(timing.rows)
+        per_step = timing.draft_s / timing.draft_steps
+        if per_step <= _CATCH_UP_FACTOR * expected:
+            self.draft.observe(timing.rows, per_step)
+        elif timing.caught_up > _STEADY_LAG * timing.rows:  # not one slow steady step
+            excess = timing.draft_s - timing.draft_steps * expected
+            per_token = excess / timing.caught_up
+            self.catch_up_token_s += _EMA * (per_token - self.catch_up_token_s)
 
     def learn_acceptance(self, g: Generation) -> None:
         """Fold a finished generation's acceptance into the pool's rate."""

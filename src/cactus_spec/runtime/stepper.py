@@ -44,8 +44,9 @@ from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
 
 @dataclass(frozen=True)
 class StepTiming:
-    """What one iteration cost: the draft steps over ``rows`` rows, and one verifier forward
-    over ``verified_tokens`` tokens in all."""
+    """What one iteration cost: the draft steps over ``rows`` rows (their drafters first
+    reading ``caught_up`` tokens of context they had not seen), and one verifier forward over
+    ``verified_tokens`` tokens in all."""
 
     rows: int
     draft_steps: int
@@ -53,6 +54,7 @@ class StepTiming:
     verified_tokens: int
     verify_s: float
     emitted: int
+    caught_up: int = 0
 
 
 class Stepper:
@@ -134,7 +136,7 @@ class Stepper:
     ) -> StepTiming:
         """One iteration for every generation, drafting up to ``num_draft_tokens[i]`` tokens
         for the i-th."""
-        drafts, draft_steps, draft_s = self._propose(generations, num_draft_tokens)
+        drafts, draft_steps, draft_s, caught_up = self._propose(generations, num_draft_tokens)
         feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
         kept = [self.verifier.length_of(g.row) for g in generations]
         start = time.perf_counter()
@@ -156,11 +158,14 @@ class Stepper:
             if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
                 _meter(g, draft, q, min(count, len(draft.tokens)))
         verified = sum(len(f) for f in feeds)
-        return StepTiming(len(generations), draft_steps, draft_s, verified, verify_s, emitted)
+        return StepTiming(
+            len(generations), draft_steps, draft_s, verified, verify_s, emitted, caught_up
+        )
 
-    def _propose(self, generations, num_draft_tokens) -> tuple[list[Draft], int, float]:
+    def _propose(self, generations, num_draft_tokens) -> tuple[list[Draft], int, float, int]:
         """Each generation's draft (empty where it drafts nothing), the number of draft
-        steps, and their wall time (added to the draft time of every row that drafted)."""
+        steps, their wall time (added to the draft time of every row that drafted), and the
+        context tokens the drafter read first."""
         counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
             DraftRequest(g.row, g.context, k, g.sampling, g.generator, g.process)
@@ -168,7 +173,8 @@ class Stepper:
             if k > 0
         ]
         if self.drafter is None or not asks:
-            return [Draft([], None) for _ in generations], 0, 0.0
+            return [Draft([], None) for _ in generations], 0, 0.0, 0
+        caught_up = sum(self.drafter.behind(a.row, a.context) for a in asks)
         start = time.perf_counter()
         proposed = iter(self.drafter.propose(asks))
         elapsed = self._elapsed(start)
@@ -177,7 +183,7 @@ class Stepper:
             if k > 0:
                 g.stats.time_draft_s += elapsed
             drafts.append(next(proposed) if k > 0 else Draft([], None))
-        return drafts, max(counts), elapsed
+        return drafts, max(counts), elapsed, caught_up
 
     def _elapsed(self, start: float) -> float:
         self.verifier.synchronize()
