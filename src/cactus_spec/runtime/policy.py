@@ -13,8 +13,7 @@ and costs
 where t_draft(b) is one draft step over b rows, t_verify(n) one verifier forward over n
 tokens in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
 what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
-each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each, but at
-most ``_PAYBACK_ITERATIONS`` of them. Costs
+each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
 size, seeded by a short calibration). The policy drafts the K in 0..K_max that maximises
 E(K) / T(K), and drafts at all only when that is at least ``_MARGIN`` above K = 0, plain
@@ -49,11 +48,6 @@ _CATCH_UP_FACTOR = 3.0
 #: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
 #: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
 _MARGIN = 0.05
-#: A drafter's catch-up must pay for itself within this many iterations: the batch changes
-#: as rows join and leave, and a K that pays now may be 0 a few iterations later, when the
-#: catch-up is lost (measured: amortised over the rows' whole remaining output, sixteen rows
-#: starting together drafted and served 0.88-0.92x AR).
-_PAYBACK_ITERATIONS = 8
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
 
@@ -141,8 +135,7 @@ class SpeculationPolicy:
             cost = self.verify.estimate(fixed_tokens + len(auto) * (k + 1))
             if k > 0:  # the catch-up, paid off over the iterations the rows have left
                 iterations_left = remaining / (sum(per_row) / len(per_row))
-                horizon = min(iterations_left, _PAYBACK_ITERATIONS)
-                cost += k * self.draft.estimate(rows) + catch_up / horizon
+                cost += k * self.draft.estimate(rows) + catch_up / iterations_left
             return sum(per_row) / cost if cost > 0 else float(k == 0)
 
         rates = [rate(k) for k in range(self.max_draft_tokens + 1)]
