@@ -25,6 +25,8 @@ _EXPORTS = {
     "GenerationResult": "cactus_spec.runtime.generation",
     "GenerationStats": "cactus_spec.runtime.generation",
     "SamplingConfig": "cactus_spec.core.sampling",
+    "Penalties": "cactus_spec.core.penalties",
+    "TokenLogprob": "cactus_spec.runtime.logprobs",
     "Rule": "cactus_spec.core.rules",
     "SpS": "cactus_spec.core.rules",
     "Cactus": "cactus_spec.core.rules",

@@ -133,6 +133,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.policy = policy
         self.prefill_chunk = prefill_chunk
+        self._last_step: StepTiming | None = None
         self.counters = Counters()
         self._free = list(range(engine.max_batch))
         self._waiting: deque[Request] = deque()
@@ -216,19 +217,30 @@ class Scheduler:
         reading = sorted((g for _, g in self._active if g.reading), key=lambda g: g.started)
         generations = [g for _, g in self._active if not g.reading]
         if reading:  # a chunk protects running rows; with none, every prompt is read now
-            self.engine.prefill(reading, self.prefill_chunk if generations else None)
+            self.engine.prefill(reading, self._prefill_budget() if generations else None)
             generations = [g for _, g in self._active if not g.reading]
         if not generations:
             return
         joining = [g for _, g in self._active if g.reading]
         ks = self._num_draft_tokens(generations, joining)
         timing = self.engine.step(generations, ks)
+        self._last_step = timing
         if self.policy is not None:
             self.policy.observe(timing)
         self.counters.iterations += 1
         self.counters.recent.append((time.monotonic(), timing.emitted))
         for request, g in [pair for pair in self._active if pair[1].done]:
             self._finish(request, g)
+
+    def _prefill_budget(self) -> int | None:
+        """Prompt tokens to read this turn: ``prefill_chunk`` per token each row verified in
+        the last iteration (K + 1 when drafting), so drafting, which makes iterations
+        longer, does not slow the reading of waiting prompts."""
+        if self.prefill_chunk is None:
+            return None
+        last = self._last_step
+        per_row = last.verified_tokens / last.rows if last is not None and last.rows else 1.0
+        return round(self.prefill_chunk * max(1.0, per_row))
 
     def _count_prompt(self, g: Generation) -> None:
         """Count a started generation's prompt and what its row had cached of it."""

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import GenerationResult
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
@@ -199,23 +200,8 @@ class _Handler:
     def requests(self, body: SamplingFields, chat: bool) -> list[Request]:
         """The scheduler requests of ``body``, one per choice (choice ``p n + i`` is prompt
         p's i-th, seeded ``seed + i``): every field checked, 400 naming the bad one."""
-        if body.model != self.config.model_id:
-            raise APIError(
-                404,
-                f"the model {body.model!r} does not exist; this server serves "
-                f"{self.config.model_id!r}",
-                "model",
-                "model_not_found",
-            )
-        sampling = _sampling(body)
-        spec = speculative_spec(body.speculative, self.engine.spec)
-        if spec.drafts and not self.engine.spec.drafts:
-            raise APIError(
-                400,
-                f"speculative.method: this server decodes by {self.engine.spec.method} and has "
-                "no drafter, so only method ar is served",
-                "speculative",
-            )
+        self._check_model(body)
+        sampling, spec = _sampling(body), self._spec(body)
         max_tokens = self._max_tokens(body, chat)
         prompts = self._prompts(body, chat)
         for ids in prompts:
@@ -238,6 +224,27 @@ class _Handler:
                 request.stop_token_ids, request.ignore_eos = stop_ids, body.ignore_eos
                 requests.append(request)
         return requests
+
+    def _check_model(self, body: SamplingFields) -> None:
+        if body.model != self.config.model_id:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves "
+                f"{self.config.model_id!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def _spec(self, body: SamplingFields) -> DecodeSpec:
+        spec = speculative_spec(body.speculative, self.engine.spec)
+        if spec.drafts and not self.engine.spec.drafts:
+            raise APIError(
+                400,
+                f"speculative.method: this server decodes by {self.engine.spec.method} and has "
+                "no drafter, so only method ar is served",
+                "speculative",
+            )
+        return spec
 
     def _penalties(self, body: SamplingFields) -> Penalties:
         penalties = body.penalties()
