@@ -164,8 +164,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--prefill-chunk",
         type=int,
         default=PREFILL_CHUNK,
-        help="prompt tokens read per iteration, so running rows are not stalled by a long "
-        f"prompt (default {PREFILL_CHUNK})",
+        help="prompt tokens read per iteration and per token a row verified, so running "
+        f"rows are not stalled by a long prompt (default {PREFILL_CHUNK})",
     )
     p.add_argument(
         "--no-prefix-cache",

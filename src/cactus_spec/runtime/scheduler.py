@@ -2,10 +2,11 @@
 
 One thread owns the models. Each turn of its loop it admits waiting requests into free rows
 (each into the free row that holds the longest prefix of its prompt: prefix caching), drops
-cancelled ones, reads up to ``prefill_chunk`` prompt tokens of the rows still reading their
-prompts (oldest first, in one batched forward where padding allows: chunked prefill), asks
-the policy for K, runs one stepper iteration over every row that has read its prompt, and
-hands finished generations back. So a long prompt arriving costs each running row at most
+cancelled ones, reads up to ``prefill_chunk`` prompt tokens per token each row verified in
+the last iteration, of the rows still reading their prompts (oldest first, in one batched
+forward where padding allows; everything at once when no row is decoding: chunked prefill),
+asks the policy for K, runs one stepper iteration over every row that has read its prompt,
+and hands finished generations back. So a long prompt arriving costs each running row at most
 one chunk's forward per iteration, not the whole prompt's. A bounded queue gives
 backpressure: ``submit`` raises ``QueueFullError`` when it is full.
 
