@@ -3,6 +3,8 @@ forward with ragged acceptance, give each row exactly the tokens it gives alone.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import AR, make_tiny_lm, spec_of
@@ -183,15 +185,7 @@ def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> 
     policy.observe(steady)
     assert policy.catch_up_token_s == 0.0001  # a steady step says nothing about catch-ups
     # 4 steps of 2 ms and 100 tokens read at 1 ms each
-    catch_up = StepTiming(
-        rows=1,
-        draft_steps=4,
-        draft_s=0.108,
-        verified_tokens=5,
-        verify_s=0.05,
-        emitted=3,
-        caught_up=100,
-    )
+    catch_up = dataclasses.replace(steady, draft_s=0.108, caught_up=100)
     for _ in range(40):
         policy.observe(catch_up)
     assert policy.catch_up_token_s == pytest.approx(0.001, rel=0.01)
