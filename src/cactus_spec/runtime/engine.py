@@ -45,6 +45,7 @@ from cactus_spec.runtime.generation import (
     GenerationStats,
     check_stops,
 )
+from cactus_spec.runtime.grammar import Constraint, Grammar, Grammars
 from cactus_spec.runtime.logprobs import check_logprobs
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
 from cactus_spec.runtime.prefixes import PrefixCache
@@ -107,6 +108,7 @@ class SpeculativeDecoder:
         self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
+        self._grammars: Grammars | None = None  # built on the first grammar
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
         if not self.spec.drafts:
@@ -183,6 +185,17 @@ class SpeculativeDecoder:
                 f"verifier's context length {self.context_length}"
             )
 
+    def check_grammar(self, grammar: Grammar, ignore_eos: bool = False) -> None:
+        """ValueError unless ``grammar`` compiles for this model's tokenizer (compiled grammars
+        are cached, so a request checked here starts without compiling again)."""
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"grammar must be a Grammar, got {type(grammar).__name__}")
+        if ignore_eos:
+            raise ValueError("ignore_eos cannot be used with a grammar, which ends at EOS")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self._grammars.compile(grammar)
+
     # --- decoding -------------------------------------------------------------------------
 
     def generate(
@@ -200,6 +213,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         penalties: Penalties | None = None,
         min_p: float = 0.0,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt`` by ``spec`` (default:
         the engine's; K None drafts ``max_draft_tokens``).
@@ -211,7 +225,8 @@ class SpeculativeDecoder:
         same tokens. ``logprobs`` = N puts each new token's log q and its N most likely
         alternatives in the result (``runtime.logprobs``). ``penalties`` (repetition,
         frequency, presence, logit bias: ``core.penalties``) and ``min_p`` apply to the
-        draft's and the verifier's distributions alike.
+        draft's and the verifier's distributions alike, and so does ``grammar``, which the
+        output then matches (``runtime.grammar``: SpS emits the grammar-masked q exactly).
         """
         sampling = SamplingConfig(temperature, top_k, top_p, min_p)
         spec = self._spec(spec)
@@ -221,6 +236,9 @@ class SpeculativeDecoder:
         check_logprobs(logprobs)
         request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops, on_text)
         request.logprobs = logprobs
+        if grammar is not None:
+            self.check_grammar(grammar)
+            request.grammar = grammar
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
             request.penalties = penalties
@@ -312,9 +330,17 @@ class SpeculativeDecoder:
             logprobs=request.logprobs,
             on_logprobs=request.on_logprobs,
             penalties=request.penalties,
+            constraint=self._constraint(request),
         )
         self._stepper.start([generation])
         return generation
+
+    def _constraint(self, request: Request) -> Constraint | None:
+        """The grammar state of ``request``'s generation, None without a grammar."""
+        if request.grammar is None:
+            return None
+        self.check_grammar(request.grammar, request.ignore_eos)
+        return self._grammars.constraint(request.grammar, _ends(self.eos_ids, request))
 
     def choose_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
         """The free row ``prompt`` should take (``Stepper.choose_row``)."""

@@ -18,6 +18,7 @@ import torch
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.runtime.grammar import Constraint
 from cactus_spec.runtime.logprobs import TokenLogprob, token_logprobs
 
 
@@ -148,6 +149,7 @@ class Generation:
         logprobs: int | None = None,
         on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
         penalties: Penalties | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.row = row
         self.context = list(prompt_ids)
@@ -166,6 +168,7 @@ class Generation:
         self.token_logprobs: list[TokenLogprob] = []
         self.penalties = penalties if penalties is not None and penalties.active else None
         self._prompt_tokens: torch.Tensor | None = None  # [V] bool, for the repetition penalty
+        self.constraint = constraint  # the grammar the output must match (``grammar``)
         self.stats = GenerationStats()
         self.streamed = ""
         self.done = False
@@ -178,9 +181,10 @@ class Generation:
 
     def process(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
         """The distributions [T, V] of logits [T, V]: the penalties (row t counting the
-        output and the first len(drafts) - T + 1 + t drafts, ``core.penalties``), then the
-        sampling processing. The drafter and the verifier both call this, so p and q of a
-        position are processed alike."""
+        output and the first len(drafts) - T + 1 + t drafts, ``core.penalties``), the
+        grammar's mask after those same tokens (``grammar``), then the sampling processing.
+        The drafter and the verifier both call this, so p and q of a position are processed
+        alike."""
         if self.penalties is not None:
             width = logits.shape[-1]
             new = torch.tensor(self.new_ids, dtype=torch.long, device=logits.device)
@@ -190,7 +194,15 @@ class Generation:
                 self._prompt_tokens = torch.zeros(width, dtype=torch.bool, device=logits.device)
                 self._prompt_tokens[prompt[prompt < width]] = True
             logits = self.penalties.apply(logits, counts, self._prompt_tokens, drafts)
+        if self.constraint is not None:
+            allowed = self.constraint.masks(drafts, logits.shape[0]).to(logits.device)  # [T, V]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return logits_to_probs(logits, self.sampling)
+
+    def admitted(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts`` (from the first) may be verified: all, unless the output
+        must match a grammar that refuses one."""
+        return len(drafts) if self.constraint is None else self.constraint.admitted(drafts)
 
     @property
     def reading(self) -> bool:
@@ -228,6 +240,8 @@ class Generation:
         the kept tokens' log q, from q [>= len(tokens), V], the rows they were emitted at).
         Returns how many of ``tokens`` were kept."""
         kept = self._append(tokens)
+        if self.constraint is not None:
+            self.constraint.advance(tokens[:kept])
         if self.logprobs is not None and q is not None:
             entries = token_logprobs(q, tokens[:kept], self.logprobs)
             self.token_logprobs += entries

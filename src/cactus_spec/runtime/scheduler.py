@@ -27,6 +27,7 @@ from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import Generation, GenerationResult
+from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.policy import SpeculationPolicy
 from cactus_spec.runtime.stepper import StepTiming
@@ -64,6 +65,7 @@ class Request:
     penalties: Penalties | None = None
     stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # what the output must match (``runtime.grammar``)
 
 
 @dataclass

@@ -182,12 +182,21 @@ class Stepper:
         for g, k in zip(generations, counts, strict=True):
             if k > 0:
                 g.stats.time_draft_s += elapsed
-            drafts.append(next(proposed) if k > 0 else Draft([], None))
+            drafts.append(_admitted(g, next(proposed)) if k > 0 else Draft([], None))
         return drafts, max(counts), elapsed, caught_up
 
     def _elapsed(self, start: float) -> float:
         self.verifier.synchronize()
         return time.perf_counter() - start
+
+
+def _admitted(g: Generation, draft: Draft) -> Draft:
+    """The draft cut before its first token the generation's grammar refuses (only a drafter
+    without probabilities proposes one: the draft model draws from the masked p)."""
+    count = g.admitted(draft.tokens)
+    if count == len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:count], None if draft.probs is None else draft.probs[:count])
 
 
 def _tokens(

@@ -1,0 +1,222 @@
+"""Structured outputs: a grammar masks every distribution a generation draws from.
+
+A ``Grammar`` says what the output must match: a JSON schema, any JSON object, a regular
+expression, or a grammar in Lark or GBNF. ``Grammars`` compiles it with llguidance (MIT;
+chosen by measurement on the default pair's 151,936-token vocabulary: sub-millisecond
+compiles, 7 µs median masks, rollback, only canonical tokens where text is forced;
+``benchmarks/grammar_engines.py``) against the engine's tokenizer, and a ``Constraint`` is
+one generation's matcher.
+
+The law. At a position whose context is the output o plus drafts d_1..d_j, the grammar
+allows the token set A(o d_1..d_j), and both distributions are masked and renormalised
+there:
+
+    p'(x) ∝ p(x) 1[x ∈ A],    q'(x) ∝ q(x) 1[x ∈ A]
+
+(before temperature, top-k and top-p, after penalties: ``Generation.process``). Drafts are
+drawn from p', so they stay inside the grammar; a drafter without probabilities (n-gram)
+has its proposal cut at the first token the grammar refuses. Verification then runs on
+(p', q'), so SpS emits exactly q' at every step, Cactus stays within its delta of q', and
+the divergence meter measures against q'. This is the same local masking vLLM and
+llama.cpp use: it is NOT the law of q conditioned on the whole sequence matching the
+grammar (that would reweight each token by the probability that the rest can still
+match), which no engine samples.
+
+EOS: the grammar allows the generation's ending tokens (EOS, stop token ids) exactly where
+it may end; after an ending token nothing more is emitted, so the masks of later draft
+positions allow only the ending tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+#: What a grammar may be written in.
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+#: Compiled grammars kept per engine (a server sees the same schema again and again).
+_CACHED_GRAMMARS = 64
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match. ``kind`` is one of ``GRAMMAR_KINDS``; ``source`` is the
+    JSON schema (as JSON text), the regular expression or the grammar's text (unused for
+    ``json_object``: any JSON object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.source, str):
+            raise TypeError(f"grammar source must be a string, got {type(self.source).__name__}")
+        if self.kind != "json_object" and not self.source.strip():
+            raise ValueError(f"a {self.kind} grammar needs a non-empty source")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
+        """Output matching a JSON schema (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise ValueError(f"the JSON schema is not valid JSON ({err})") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's own form."""
+        import llguidance
+
+        match self.kind:
+            case "json_object":
+                text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            case "json_schema":
+                text = llguidance.LLMatcher.grammar_from_json_schema(self.source)
+            case _:
+                text = llguidance.grammar_from(self.kind, self.source)
+        return text
+
+
+class Grammars:
+    """Compiles grammars for one tokenizer: its llguidance view is built once, on first use
+    (about a second for 152k tokens), and compiled grammars are cached. Thread-safe: a
+    server checks a request's grammar on its event loop, the scheduler's thread starts it.
+
+    ``vocab_size`` is the width of the logits rows masked; ``eos_ids`` the tokens that end
+    a generation where the grammar may end."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        if not self.eos_ids:
+            raise ValueError("a grammar needs the model's end-of-sequence token, and it has none")
+        self._tokenizer = None
+        self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, grammar: Grammar, ends: Iterable[int] = ()) -> Constraint:
+        """A new generation's constraint by ``grammar``; ``ends`` are its ending tokens
+        (default: ``eos_ids``). ValueError with the engine's message for a bad grammar."""
+        ends = set(ends) or set(self.eos_ids)
+        matcher = self.compile(grammar).deep_copy()
+        return Constraint(matcher, self.vocab_size, self.eos_ids[0], ends)
+
+    def compile(self, grammar: Grammar) -> Any:
+        """The llguidance matcher of ``grammar`` at its start (cached); ValueError when it
+        does not compile."""
+        import llguidance
+
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
+            try:
+                text = grammar.llguidance()
+            except ValueError as err:
+                raise ValueError(f"the {grammar.kind} grammar does not compile: {err}") from None
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0)
+            if matcher.is_error():
+                error = matcher.get_error().splitlines()[0]
+                raise ValueError(f"the {grammar.kind} grammar does not compile: {error}")
+            self._compiled[grammar] = matcher
+            if len(self._compiled) > _CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return matcher
+
+    def _llg_tokenizer(self) -> Any:
+        import llguidance
+
+        if self._tokenizer is None:
+            if self._hf is None or not hasattr(self._hf, "backend_tokenizer"):
+                raise ValueError("a grammar needs the model's fast (Rust) tokenizer")
+            backend = self._hf.backend_tokenizer
+            self._tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
+        return self._tokenizer
+
+
+class Constraint:
+    """One generation's grammar state: a matcher at the emitted output, the allowed tokens
+    after the output and any prefix of drafts, and the drafts it admits.
+
+    Masks are computed by advancing the matcher over the drafts and rolling it back, and
+    kept until the output next grows: the draft model's step j and the verifier's row j ask
+    for the same prefix."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos: int, ends: Iterable[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.ends = frozenset(t for t in ends if t < vocab_size)
+        self._end = eos  # the matcher's EOS: what it consumes for any ending token
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # the bitmask
+        self._masks: dict[tuple[int, ...], Tensor] = {}
+        self._ends_only = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+        self._ends_only[[t for t in self.ends if t < vocab_size]] = True
+
+    def masks(self, drafts: Sequence[int], rows: int) -> Tensor:
+        """[rows, V] bool: the tokens allowed at the last ``rows`` positions of a block fed
+        after the output, row t following the first len(drafts) - rows + 1 + t drafts."""
+        first = len(drafts) - rows + 1
+        return torch.stack([self.mask(drafts[: first + t]) for t in range(rows)])
+
+    def mask(self, drafts: Sequence[int]) -> Tensor:
+        """[V] bool: the tokens allowed after the output and ``drafts``."""
+        key = tuple(drafts)
+        if key not in self._masks:
+            self._masks[key] = self._compute(key)
+        return self._masks[key]
+
+    def admitted(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts`` (from the first) the grammar allows after the output; an
+        ending token ends the count."""
+        count = self.matcher.validate_tokens(self._mapped(drafts))
+        return min(count, self._through_end(drafts))
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The output grew by ``tokens`` (each allowed, up to an ending token)."""
+        self._masks.clear()
+        tokens = list(tokens[: self._through_end(tokens)])
+        if tokens and tokens[-1] in self.ends:
+            tokens.pop()  # the generation ends: nothing more is masked
+        if not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused emitted tokens: {self.matcher.get_error()}")
+
+    def _compute(self, drafts: tuple[int, ...]) -> Tensor:
+        if any(t in self.ends for t in drafts):
+            return self._ends_only  # the generation has ended before this position
+        if drafts and not self.matcher.consume_tokens(list(drafts)):
+            raise RuntimeError(f"the grammar refused drafts: {self.matcher.get_error()}")
+        try:
+            self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        finally:
+            self.matcher.rollback(len(drafts))
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = torch.from_numpy(bits.astype(bool))  # [V]
+        allowed[list(self.ends)] = bool(allowed[self._end])
+        return allowed
+
+    def _mapped(self, tokens: Sequence[int]) -> list[int]:
+        return [self._end if t in self.ends else t for t in tokens]
+
+    def _through_end(self, tokens: Sequence[int]) -> int:
+        """Length of ``tokens`` up to and including the first ending token."""
+        for i, t in enumerate(tokens):
+            if t in self.ends:
+                return i + 1
+        return len(tokens)
