@@ -59,9 +59,8 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
+        ({**CHAT, "function_call": "auto"}, "function_call"),
         ({**CHAT, "store": True}, "store"),
         ({**COMPLETION, "echo": True}, "echo"),
         ({**COMPLETION, "best_of": 3}, "best_of"),

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -91,6 +92,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="with --json: each new token's log q and this many alternatives (0-20)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="output matching this JSON schema")
+    shape.add_argument("--json-object", action="store_true", help="output: any JSON object")
+    shape.add_argument("--regex", help="output matching this regular expression")
+    shape.add_argument(
+        "--grammar", metavar="FILE", help="output matching this grammar (.lark or .gbnf)"
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -200,6 +208,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "are ended (default 30)",
     )
     p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
+    p.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file to use instead of the tokenizer's (e.g. one that "
+        "defines tool calls)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("CACTUS_SPEC_API_KEY"),
@@ -339,6 +352,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_counts(args)
     check_seed(args.seed, "--seed")
     check_prompt_text(args.prompt)
+    grammar = _grammar(args)
     _check_model_args(args)
     _model_sources(args, spec.drafts and spec.drafter == "model")
     decoder = _engine(args, spec)
@@ -363,6 +377,7 @@ def run_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         penalties=penalties,
         min_p=sampling.min_p,
+        grammar=grammar,
     )
     if args.json:
         payload = {
@@ -382,6 +397,29 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
         Console().print(_stats_table(result, divergence))
     return 130 if result.interrupted else 0
+
+
+def _grammar(args: argparse.Namespace):
+    """What the output must match (--json-schema, --json-object, --regex, --grammar), or
+    None; ValueError naming the flag."""
+    from cactus_spec.runtime.grammar import Grammar
+
+    try:
+        if args.json_schema:
+            return Grammar.json_schema(_read_text(args.json_schema, "--json-schema"))
+        if args.json_object:
+            return Grammar("json_object")
+        if args.regex is not None:
+            return Grammar("regex", args.regex)
+    except ValueError as err:
+        flag = "--json-schema" if args.json_schema else "--regex"
+        raise ValueError(f"{flag}: {err}") from None
+    if not args.grammar:
+        return None
+    syntax = Path(args.grammar).suffix.lstrip(".")
+    if syntax not in ("lark", "gbnf"):
+        raise ValueError(f"--grammar: the file must end in .lark or .gbnf, got {args.grammar!r}")
+    return Grammar(syntax, _read_text(args.grammar, "--grammar"))
 
 
 def _penalties(args: argparse.Namespace):
@@ -491,6 +529,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_args(args)
+    template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
     _model_sources(args, spec.drafts and spec.drafter == "model")
     cap = spec.num_draft_tokens if spec.drafts else None
     if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
@@ -502,13 +541,23 @@ def run_serve(args: argparse.Namespace) -> int:
     model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own
-    config = ServerConfig(model_id, args.api_key, args.default_max_tokens, **given)
+    config = ServerConfig(
+        model_id, args.api_key, args.default_max_tokens, chat_template=template, **given
+    )
     app = create_app(scheduler, config)
     try:
         serve(app, args.host, args.port, app.state.drain, grace, header_timeout)
     finally:
         scheduler.stop()
     return 0
+
+
+def _read_text(path: str, option: str) -> str:
+    """The UTF-8 text of the file an option names; ValueError naming the option."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{option}: cannot read {path!r} ({err})") from None
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -152,15 +152,34 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Chat messages ({"role", "content"}) through the chat template, with the prompt of
-        the assistant's turn, -> ids."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+    def encode_chat(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        template: str | None = None,
+    ) -> list[int]:
+        """Chat messages ({"role", "content"}, and OpenAI's ``tool_calls``) through the chat
+        ``template`` (default: the tokenizer's) with ``tools`` offered, and the prompt of the
+        assistant's turn, -> ids. ValueError when the template fails on them."""
+        template = template or self.chat_template
+        if self.tokenizer is None or not template:
             raise ValueError("chat needs a tokenizer with a chat template")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as err:  # jinja2's errors: the template cannot render these messages
+            raise ValueError(f"the chat template cannot render them ({err})") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template, None without one."""
+        return None if self.tokenizer is None else self.tokenizer.chat_template
 
     def draft_tokens(self, spec: DecodeSpec) -> int:
         """K a row decoding by ``spec`` drafts when no policy picks it: the spec's own, else

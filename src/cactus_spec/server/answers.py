@@ -1,5 +1,6 @@
 """The response objects of one request, in OpenAI's shapes: whole answers, stream chunks and
-usage, for one or more choices (``n``, or several completion prompts)."""
+usage, for one or more choices (``n``, or several completion prompts), with tool calls read
+from the output when the request offered tools (``tools``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from cactus_spec.runtime.generation import GenerationResult
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from cactus_spec.server.tools import ContentStream, parse_tool_calls
 
 
 class Answer:
@@ -25,14 +27,17 @@ class Answer:
         choices: int,
         n: int,
         token_text: TokenText | None,
+        tools: bool = False,
     ) -> None:
         self.chat = chat
+        self.tools = tools  # read tool calls from each choice's output
         self.model_id = model_id
         self.prompt_tokens = prompt_tokens
         self.choices = choices
         self.n = n
         self.token_text = token_text
         self.offsets = [0] * choices  # characters whose logprobs were sent, per choice
+        self.contents = [ContentStream() for _ in range(choices)] if tools else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
@@ -70,17 +75,47 @@ class Answer:
         choice["finish_reason"] = finish_reason
         return {**self.envelope(stream=True), "choices": [choice]}
 
+    def text(self, index: int, piece: str) -> str:
+        """What of a streamed ``piece`` of choice ``index`` is content now (with tools, text
+        from the first call on is held back)."""
+        return piece if self.contents is None else self.contents[index].add(piece)
+
+    def ending(
+        self, index: int, result: GenerationResult, entries: Sequence[TokenLogprob] | None
+    ) -> list[dict]:
+        """The last chunks of streamed choice ``index``: content held back, the tool calls
+        as one delta, and the finish."""
+        chunks = []
+        if self.contents is None:
+            return [self.chunk(index, "", result.finish_reason or "stop", entries)]
+        content, calls = parse_tool_calls(result.text or "")
+        rest = self.contents[index].finish(content if calls else result.text)
+        if rest:
+            chunks.append(self.chunk(index, rest, None, entries))
+            entries = None
+        if calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            chunks.append(self.chunk(index, delta, None, entries))
+            entries = None
+        chunks.append(self.chunk(index, "", _finish(result, calls), entries))
+        return chunks
+
     def whole(self, results: Sequence[GenerationResult]) -> dict:
         """The whole answer: one choice per result, in order."""
         choices = []
         for index, result in enumerate(results):
             logprobs = self.logprobs(index, result.logprobs)
+            calls: list[dict] = []
             if self.chat:
                 message = {"role": "assistant", "content": result.text}
+                if self.tools:
+                    message["content"], calls = parse_tool_calls(result.text or "")
+                    if calls:
+                        message["tool_calls"] = calls
                 choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": result.text, "logprobs": logprobs}
-            choice["finish_reason"] = result.finish_reason or "stop"
+            choice["finish_reason"] = _finish(result, calls)
             choices.append(choice)
         return {**self.envelope(stream=False), "choices": choices, "usage": self.usage(results)}
 
@@ -106,3 +141,10 @@ class Answer:
                 "kl_nats": sum(s.kl_nats for s in stats),
             },
         }
+
+
+def _finish(result: GenerationResult, calls: Sequence[dict]) -> str:
+    """OpenAI's finish reason: ``tool_calls`` when the output held calls and ended there."""
+    if calls and result.finish_reason == "stop":
+        return "tool_calls"
+    return result.finish_reason or "stop"

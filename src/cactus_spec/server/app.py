@@ -26,6 +26,7 @@ from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
 from cactus_spec.server import schema
@@ -39,6 +40,7 @@ from cactus_spec.server.protocol import (
     parse,
     speculative_spec,
 )
+from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools
 
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
@@ -60,6 +62,7 @@ class ServerConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_request_bytes: int = MAX_REQUEST_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
+    chat_template: str | None = None  # None: the tokenizer's
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
@@ -212,6 +215,7 @@ class _Handler:
         if len(prompts) * body.n > self.scheduler.max_queue:
             message = f"n: {len(prompts) * body.n} choices exceed the server's queue (--max-queue)"
             raise APIError(400, message, "n")
+        grammar = self._grammar(body)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         logprobs, stops = body.logprob_count(), body.stops()
         penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
@@ -222,6 +226,7 @@ class _Handler:
                 request = Request(ids, max_tokens, sampling, choice_seed, spec, stops)
                 request.logprobs, request.penalties = logprobs, penalties
                 request.stop_token_ids, request.ignore_eos = stop_ids, body.ignore_eos
+                request.grammar = grammar
                 requests.append(request)
         return requests
 
@@ -268,11 +273,38 @@ class _Handler:
         given = body.max_completion_tokens if chat else None
         return given or body.max_tokens or self.config.default_max_tokens
 
+    def _grammar(self, body: SamplingFields) -> Grammar | None:
+        """What the request's output must match, checked against the model's tokenizer."""
+        grammar = body.grammar()
+        if grammar is None:
+            return None
+        param = "response_format" if body.response_format is not None else "tool_choice"
+        try:
+            self.engine.check_grammar(grammar, body.ignore_eos)
+        except ValueError as err:
+            raise APIError(400, f"{param}: {err}", param) from None
+        return grammar
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation through the chat template, with the tools offered (in
+        ``tool_mode``); a 400 when the template defines no tool-call format."""
+        template = self.config.chat_template or self.engine.chat_template
+        uses_tools = body.tool_mode or any(m.uses_tools for m in body.messages)
+        if uses_tools and not defines_tool_calls(template):
+            param = "tools" if body.tools else "messages"
+            message = (
+                f"{param}: this model's chat template defines no tool-call format "
+                f"({OPEN} ... {CLOSE}); serve it with --chat-template FILE that does"
+            )
+            raise APIError(400, message, param)
+        messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+        tools = template_tools(body.tools) if body.tool_mode else None
+        return self.engine.encode_chat(messages, tools, template)
+
     def _prompts(self, body: SamplingFields, chat: bool) -> list[list[int]]:
         try:
             if chat:
-                messages = [m.as_template_message() for m in body.messages]
-                return [self.engine.encode_chat(messages)]
+                return [self._chat_prompt(body)]
             return [self.engine.encode(prompt, chat=False) for prompt in body.prompts()]
         except ValueError as err:
             param = "messages" if chat else "prompt"
@@ -298,7 +330,10 @@ class _Handler:
             self.live[pending] = events
         text = None if pendings[0].logprobs is None else self._token_text
         prompt_tokens = sum(len(p.prompt_ids) for p in pendings[:: body.n])
-        answer = Answer(self.config.model_id, chat, prompt_tokens, len(pendings), body.n, text)
+        tools = chat and body.tool_mode
+        answer = Answer(
+            self.config.model_id, chat, prompt_tokens, len(pendings), body.n, text, tools
+        )
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -360,7 +395,9 @@ class _Handler:
                 if kind == "logprobs":
                     entries.setdefault(index, []).extend(value)
                 elif kind == "text":
-                    yield _sse(answer.chunk(index, value, None, entries.pop(index, None)))
+                    piece = answer.text(index, value)
+                    if piece:
+                        yield _sse(answer.chunk(index, piece, None, entries.pop(index, None)))
                 elif kind == "error":
                     yield _sse(APIError(500, f"decoding failed: {value}").body())
                     break
@@ -369,8 +406,8 @@ class _Handler:
                     break
                 else:
                     results[index] = value
-                    reason = value.finish_reason or "stop"
-                    yield _sse(answer.chunk(index, "", reason, entries.pop(index, None)))
+                    for chunk in answer.ending(index, value, entries.pop(index, None)):
+                        yield _sse(chunk)
             if usage and len(results) == len(pendings):
                 ordered = [results[i] for i in range(len(pendings))]
                 yield _sse(

@@ -17,6 +17,7 @@ the answer (``user``, ``metadata``, ``store: false``, ...) are accepted.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,7 +26,9 @@ from cactus_spec.core.checks import is_int
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED
 from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.logprobs import MAX_TOP_LOGPROBS
+from cactus_spec.server.tools import Tool, ToolChoice, tool_grammar
 
 #: Largest K a request may ask for.
 MAX_DRAFT_TOKENS = 32
@@ -67,9 +70,6 @@ NOT_HONOURED: dict[str, dict[str, tuple]] = {
     },
     "chat": {
         **_SHARED,
-        "response_format": ({"type": "text"},),
-        "tools": (_ANY_EMPTY,),
-        "tool_choice": ("none",),
         "functions": (_ANY_EMPTY,),
         "function_call": ("none",),
         "audio": (),
@@ -102,6 +102,49 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``json_schema`` response format. The schema is enforced whatever ``strict``
+    says."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object``, ``json_schema`` (OpenAI's), and the extensions ``regex``
+    (``{"type": "regex", "regex": "..."}``) and ``grammar`` (``{"type": "grammar",
+    "grammar": "...", "syntax": "lark" | "gbnf"}``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    syntax: Literal["lark", "gbnf"] = "lark"
+
+    def as_grammar(self) -> Grammar | None:
+        """What the output must match, None for text; a 400 naming the missing field."""
+        needed = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        if self.type in needed and needed[self.type] is None:
+            param = f"response_format.{self.type}"
+            raise APIError(400, f"{param} is required with type {self.type}", param)
+        try:
+            if self.type == "json_object":
+                return Grammar("json_object")
+            if self.type == "json_schema":
+                return Grammar.json_schema(self.json_schema.json_schema)
+            if self.type == "regex":
+                return Grammar("regex", self.regex)
+            if self.type == "grammar":
+                return Grammar(self.syntax, self.grammar)
+        except ValueError as err:
+            raise APIError(400, f"response_format: {err}", "response_format") from None
+        return None
+
+
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
@@ -124,6 +167,11 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        """What the output must match (``response_format``), None when anything goes."""
+        return None if self.response_format is None else self.response_format.as_grammar()
 
     def penalties(self) -> Penalties:
         """The request's penalties and logit biases (``core.penalties``); 400 naming the
@@ -181,16 +229,59 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def as_template_message(self) -> dict[str, str]:
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
+
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it (a call's arguments as an object); a 400
+        naming ``messages[index]`` when it has no content and no calls."""
         content = self.content
-        if not isinstance(content, str):
+        if content is None and not self.tool_calls:
+            param = f"messages[{index}].content"
+            raise APIError(400, f"{param} is required unless the message has tool_calls", param)
+        if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, index) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _template_call(call: ToolCall, index: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        param = f"messages[{index}].tool_calls"
+        raise APIError(400, f"{param}: arguments must be JSON text", param) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -198,6 +289,29 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_mode(self) -> bool:
+        """Whether the model is offered tools (and its output read for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar(self) -> Grammar | None:
+        """What the output must match: a forced tool call, else ``response_format``."""
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if not self.tool_mode:
+            return super().grammar()
+        try:
+            forced = tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
+        except ValueError as err:
+            raise APIError(400, str(err), "tool_choice") from None
+        if forced is not None and super().grammar() is not None:
+            message = "response_format cannot be used with a tool_choice that forces a call"
+            raise APIError(400, message, "response_format")
+        return forced or super().grammar()
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to report, or None: no log-probabilities."""

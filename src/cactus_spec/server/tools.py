@@ -1,0 +1,157 @@
+"""Tool calls: the request's tools, the grammar that forces a call, and the calls read back
+from the output.
+
+The format is the one the model's chat template defines. Templates in the Hermes style
+(Qwen2.5's, the default pair's) list the tools in the system turn and ask for each call as
+
+    <tool_call>
+    {"name": "<function name>", "arguments": {<arguments>}}
+    </tool_call>
+
+so that is what ``parse_tool_calls`` reads back, and what ``tool_grammar`` enforces (the
+arguments matching the function's JSON schema) when ``tool_choice`` is ``required`` or names
+a function. A template without ``<tool_call>`` defines no format: a request with tools gets
+a 400. With ``auto`` the model chooses; text that does not parse as calls stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cactus_spec.runtime.grammar import Grammar
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def defines_tool_calls(template: str | None) -> bool:
+    """Whether a chat template defines the tool-call format read here."""
+    return bool(template) and OPEN in template
+
+
+def template_tools(tools: list[Tool]) -> list[dict]:
+    """The tools as chat templates take them (OpenAI's shape)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Grammar | None:
+    """The grammar that forces a call (``required``: of any tool; a named function: of it),
+    its arguments matching the function's parameters; ``parallel`` allows several calls.
+    None for ``auto`` and ``none``. ValueError naming ``tool_choice`` for an unknown name."""
+    if isinstance(choice, str):
+        if choice != "required":
+            return None
+        functions = [tool.function for tool in tools]
+    else:
+        functions = [t.function for t in tools if t.function.name == choice.function.name]
+        if not functions:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+    schema = {"anyOf": [_call_schema(f) for f in functions]}
+    call = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+    more = ' ("\\n" call)*' if parallel else ""
+    return Grammar("lark", f"start: call{more}\ncall: {call}\n")
+
+
+def _call_schema(function: FunctionDefinition) -> dict:
+    arguments = function.parameters or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of an output: the text before the first call, and each
+    ``<tool_call>`` block as an OpenAI tool call (arguments as JSON text). Output that does
+    not parse as calls is all content, with no calls."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for match in _CALL.finditer(text, start):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, []
+        arguments = json.dumps(call.get("arguments", {}))
+        function = {"name": call["name"], "arguments": arguments}
+        calls.append(
+            {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
+        )
+    if not calls:
+        return text, []
+    return text[:start].strip() or None, calls
+
+
+class ContentStream:
+    """The content of a streamed output that may hold tool calls: the text before the first
+    ``<tool_call>``, holding back what may still become one."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = ""
+
+    def add(self, piece: str) -> str:
+        """The new content after ``piece`` of text (may be empty)."""
+        self.text += piece
+        start = self.text.find(OPEN)
+        if start >= 0:
+            visible = self.text[:start]
+        else:
+            visible = self.text[: len(self.text) - _partial_open(self.text)]
+        return self._send(visible)
+
+    def finish(self, content: str | None) -> str:
+        """What is left to send of the final ``content``."""
+        return self._send(content or "")
+
+    def _send(self, visible: str) -> str:
+        if not visible.startswith(self.sent) or len(visible) <= len(self.sent):
+            return ""
+        new, self.sent = visible[len(self.sent) :], visible
+        return new
+
+
+def _partial_open(text: str) -> int:
+    """How many trailing characters of ``text`` begin ``<tool_call>``."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
