@@ -52,6 +52,9 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--repetition-penalty", "0"], r"--repetition-penalty must be a number in \(0, 10\]"),
         (["--min-p", "2"], r"min_p must be in \[0, 1\]"),
         (["--logprobs", "21"], r"--logprobs must be an integer in \[0, 20\]"),
+        (["--json-schema", "/no/such.json"], "--json-schema: cannot read '/no/such.json'"),
+        (["--grammar", "g.txt"], r"--grammar: the file must end in .lark or .gbnf"),
+        (["--regex", " "], "--regex: a regex grammar needs a non-empty source"),
     ],
 )
 def test_bad_generate_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
@@ -168,3 +171,24 @@ def test_bench_seed_range_covers_every_item(tmp_path, capsys) -> None:
     argv = ["bench", "--task", "gsm", "--n", "3", "--seed", str(2**64 - 2)]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     assert "exceeds the largest seed" in one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_generate_with_a_json_schema_prints_a_matching_object(tmp_path, capsys) -> None:
+    from cactus_spec.loading.fetch import fetch
+
+    schema = {
+        "type": "object",
+        "properties": {"animal": {"type": "string", "maxLength": 10}, "legs": {"type": "integer"}},
+        "required": ["animal", "legs"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    verifier = str(fetch("smollm2-135m"))
+    argv = ["generate", "Describe a cat as JSON.", "--verifier", verifier, "--method", "sps"]
+    argv += ["--drafter", "ngram", "--json-schema", str(path), "--json", "--max-new-tokens", "40"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    answer = json.loads(out["text"])
+    assert set(answer) == {"animal", "legs"} and isinstance(answer["legs"], int)

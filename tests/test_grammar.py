@@ -207,14 +207,14 @@ def test_negative_control_an_unmasked_q_breaks_the_law(target, draft, grammars, 
     """With the verifier's rows left unmasked (the draft still masked), SpS emits q, not the
     masked q: the check above fails. (The matcher is not advanced: the output leaves the
     grammar.)"""
-    masks = Constraint.masks
+    biases = Constraint.biases
 
     def draft_only(self, drafts, rows):  # the verifier asks for K + 1 rows, the draft for 1
-        out = masks(self, drafts, rows)
-        return out if rows == 1 else torch.ones_like(out)
+        out = biases(self, drafts, rows)
+        return out if rows == 1 else [torch.zeros_like(bias) for bias in out]
 
-    monkeypatch.setattr(Constraint, "masks", draft_only)
-    monkeypatch.setattr(Constraint, "advance", lambda self, tokens: self._masks.clear())
+    monkeypatch.setattr(Constraint, "biases", draft_only)
+    monkeypatch.setattr(Constraint, "advance", lambda self, tokens: self._biases.clear())
     firsts = first_pairs(target, draft, SpS(), runs=1000, tokens=1)[:, 0]
     first = masked_q(target.model, PROMPT, grammars.constraint(ALTERNATING).mask([]))
     assert binomial_violations(histogram(firsts, VOCAB), first) != []

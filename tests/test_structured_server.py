@@ -150,6 +150,18 @@ def test_negative_control_unconstrained_answers_do_not_validate(server) -> None:
         assert not jsonschema_rs.validator_for(PERSON).is_valid(json.loads(text))
 
 
+def test_completions_take_a_response_format_too(server) -> None:
+    answer = server.client.completions.create(
+        model=MODEL_ID,
+        prompt="A JSON object describing a dog:",
+        max_tokens=48,
+        seed=2,
+        extra_body={"response_format": {"type": "regex", "regex": "(woof ){1,3}woof"}},
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text in ("woof woof", "woof woof woof", "woof woof woof woof")
+
+
 def test_a_streamed_answer_equals_the_whole_one(server) -> None:
     whole = ask_json(server.client, 7, "cactus", stream=False)
     streamed = ask_json(server.client, 7, "cactus", stream=True)

@@ -27,6 +27,7 @@ _EXPORTS = {
     "SamplingConfig": "cactus_spec.core.sampling",
     "Penalties": "cactus_spec.core.penalties",
     "TokenLogprob": "cactus_spec.runtime.logprobs",
+    "Grammar": "cactus_spec.runtime.grammar",
     "Rule": "cactus_spec.core.rules",
     "SpS": "cactus_spec.core.rules",
     "Cactus": "cactus_spec.core.rules",

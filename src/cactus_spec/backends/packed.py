@@ -24,6 +24,8 @@ model object runs them too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -32,15 +34,30 @@ from cactus_spec.backends.memory import own_memory
 
 
 def packing_available(model: nn.Module) -> bool:
-    """Whether ``model`` is a bfloat16 model on a CPU whose torch has oneDNN's packed linear."""
+    """Whether ``model`` is a bfloat16 model on a CPU where its linear layers can be packed:
+    the native bf16 kernel runs, or oneDNN packs bf16 weights (it needs AVX512 or
+    AVX-NE-CONVERT; on an AVX2-only CPU the layers stay torch's own)."""
     weight = next(model.parameters(), None)
     return (
         weight is not None
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (NativeBf16Linear.available() or _onednn_packs_bf16())
     )
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN reorders a bfloat16 weight on this CPU (tried once on a 16x16 one)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -98,7 +115,7 @@ def bf16_kernel() -> str:
     if NativeBf16Linear.available():
         simd = "AMX tiles" if native.load().has_amx() else "AVX512-BF16"
         return f"native {simd}, whole blocks in C++"
-    return "oneDNN, packed once"
+    return "oneDNN, packed once" if _onednn_packs_bf16() else "torch's F.linear, unpacked"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

@@ -108,7 +108,7 @@ class SpeculativeDecoder:
         self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
-        self._grammars: Grammars | None = None  # built on the first grammar
+        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
         if not self.spec.drafts:
@@ -211,8 +211,6 @@ class SpeculativeDecoder:
             raise TypeError(f"grammar must be a Grammar, got {type(grammar).__name__}")
         if ignore_eos:
             raise ValueError("ignore_eos cannot be used with a grammar, which ends at EOS")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self._grammars.compile(grammar)
 
     # --- decoding -------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class GenerationStats:
       had not ended before it) / in which it was accepted and emitted;
     - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
       emitted a token (see the module docstring);
+    - ``time_grammar_s``: wall time computing and applying the grammar's masks (part of
+      the draft and verify times it happened in);
     - ``cached_prompt_tokens`` / ``draft_cached_prompt_tokens``: prompt tokens the verifier
       / the draft model did not read because their row's cache held them from an earlier
       sequence (prefix caching, ``prefixes``).
@@ -56,6 +58,7 @@ class GenerationStats:
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_audit_s: float = 0.0
+    time_grammar_s: float = 0.0
     time_total_s: float = 0.0
     kl_nats: float = 0.0
     cached_prompt_tokens: int = 0
@@ -195,8 +198,12 @@ class Generation:
                 self._prompt_tokens[prompt[prompt < width]] = True
             logits = self.penalties.apply(logits, counts, self._prompt_tokens, drafts)
         if self.constraint is not None:
-            allowed = self.constraint.masks(drafts, logits.shape[0]).to(logits.device)  # [T, V]
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            start = time.perf_counter()
+            masked = torch.empty_like(logits)  # [T, V]
+            for t, bias in enumerate(self.constraint.biases(drafts, logits.shape[0])):
+                torch.add(logits[t], bias.to(logits.device), out=masked[t])
+            logits = masked
+            self.stats.time_grammar_s += time.perf_counter() - start
         return logits_to_probs(logits, self.sampling)
 
     def admitted(self, drafts: Sequence[int]) -> int:

@@ -75,7 +75,7 @@ class Grammar:
                 raise ValueError(f"the JSON schema is not valid JSON ({err})") from None
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: it is the output's
 
     def llguidance(self) -> str:
         """The grammar in llguidance's own form."""
@@ -103,8 +103,6 @@ class Grammars:
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        if not self.eos_ids:
-            raise ValueError("a grammar needs the model's end-of-sequence token, and it has none")
         self._tokenizer = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -144,6 +142,8 @@ class Grammars:
         if self._tokenizer is None:
             if self._hf is None or not hasattr(self._hf, "backend_tokenizer"):
                 raise ValueError("a grammar needs the model's fast (Rust) tokenizer")
+            if not self.eos_ids:
+                raise ValueError("a grammar needs the model's end-of-sequence token")
             backend = self._hf.backend_tokenizer
             self._tokenizer = llguidance.LLTokenizer(
                 backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids
@@ -165,22 +165,30 @@ class Constraint:
         self.ends = frozenset(t for t in ends if t < vocab_size)
         self._end = eos  # the matcher's EOS: what it consumes for any ending token
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # the bitmask
-        self._masks: dict[tuple[int, ...], Tensor] = {}
-        self._ends_only = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
-        self._ends_only[[t for t in self.ends if t < vocab_size]] = True
+        self._biases: dict[tuple[int, ...], Tensor] = {}
+        self._ends_only = torch.full((vocab_size,), float("-inf"))  # [V]
+        self._ends_only[list(self.ends)] = 0.0
 
-    def masks(self, drafts: Sequence[int], rows: int) -> Tensor:
-        """[rows, V] bool: the tokens allowed at the last ``rows`` positions of a block fed
-        after the output, row t following the first len(drafts) - rows + 1 + t drafts."""
+    def biases(self, drafts: Sequence[int], rows: int) -> list[Tensor]:
+        """The additive masks ([V] float32: 0 where allowed, -inf elsewhere) of the last
+        ``rows`` positions of a block fed after the output, row t following the first
+        len(drafts) - rows + 1 + t drafts. (Built once per position, a bias serves the
+        draft's step and the verifier's row; adding it costs a fraction of ``masked_fill``
+        with a boolean row.)"""
         first = len(drafts) - rows + 1
-        return torch.stack([self.mask(drafts[: first + t]) for t in range(rows)])
+        return [self.bias(drafts[: first + t]) for t in range(rows)]
+
+    def bias(self, drafts: Sequence[int]) -> Tensor:
+        """[V] float32: 0 for the tokens allowed after the output and ``drafts``, -inf for
+        the others."""
+        key = tuple(drafts)
+        if key not in self._biases:
+            self._biases[key] = self._compute(key)
+        return self._biases[key]
 
     def mask(self, drafts: Sequence[int]) -> Tensor:
         """[V] bool: the tokens allowed after the output and ``drafts``."""
-        key = tuple(drafts)
-        if key not in self._masks:
-            self._masks[key] = self._compute(key)
-        return self._masks[key]
+        return self.bias(drafts) == 0
 
     def admitted(self, drafts: Sequence[int]) -> int:
         """How many of ``drafts`` (from the first) the grammar allows after the output; an
@@ -190,7 +198,7 @@ class Constraint:
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The output grew by ``tokens`` (each allowed, up to an ending token)."""
-        self._masks.clear()
+        self._biases.clear()
         tokens = list(tokens[: self._through_end(tokens)])
         if tokens and tokens[-1] in self.ends:
             tokens.pop()  # the generation ends: nothing more is masked
@@ -207,9 +215,9 @@ class Constraint:
         finally:
             self.matcher.rollback(len(drafts))
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
-        allowed = torch.from_numpy(bits.astype(bool))  # [V]
-        allowed[list(self.ends)] = bool(allowed[self._end])
-        return allowed
+        bits[list(self.ends)] = bits[self._end]
+        allowed = torch.from_numpy(bits.view(np.bool_))  # [V]
+        return torch.zeros(self.vocab_size).masked_fill_(~allowed, float("-inf"))
 
     def _mapped(self, tokens: Sequence[int]) -> list[int]:
         return [self._end if t in self.ends else t for t in tokens]

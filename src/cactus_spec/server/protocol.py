@@ -9,9 +9,10 @@ the command line (``core.spec.parse_spec``)::
 Unknown top-level fields are ignored (as OpenAI-compatible servers do); every known field is
 checked, and a bad one gets a 400 naming it. Extensions besides ``top_k`` and
 ``speculative``: ``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos`` (as in
-vLLM). OpenAI fields the server does not honour yet (``NOT_HONOURED``) are accepted only with
-the value that asks for nothing (``"echo": false``, ``"tools": []``); any other value is a
-400 that names the field, never a 200 that silently ignores it. Fields that do not change
+vLLM), and ``response_format`` types ``regex`` and ``grammar`` (on completions too). OpenAI
+fields the server does not honour (``NOT_HONOURED``) are accepted only with the value that
+asks for nothing (``"echo": false``, ``"functions": []``); any other value is a 400 that
+names the field, never a 200 that silently ignores it. Fields that do not change
 the answer (``user``, ``metadata``, ``store: false``, ...) are accepted.
 """
 
