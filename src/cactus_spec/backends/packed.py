@@ -42,12 +42,12 @@ def packing_available(model: nn.Module) -> bool:
         weight is not None
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and (NativeBf16Linear.available() or _onednn_packs_bf16())
+        and (NativeBf16Linear.available() or onednn_packs_bf16())
     )
 
 
 @functools.cache
-def _onednn_packs_bf16() -> bool:
+def onednn_packs_bf16() -> bool:
     """Whether oneDNN reorders a bfloat16 weight on this CPU (tried once on a 16x16 one)."""
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -115,7 +115,7 @@ def bf16_kernel() -> str:
     if NativeBf16Linear.available():
         simd = "AMX tiles" if native.load().has_amx() else "AVX512-BF16"
         return f"native {simd}, whole blocks in C++"
-    return "oneDNN, packed once" if _onednn_packs_bf16() else "torch's F.linear, unpacked"
+    return "oneDNN, packed once" if onednn_packs_bf16() else "torch's F.linear, unpacked"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
