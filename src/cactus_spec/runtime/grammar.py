@@ -93,7 +93,7 @@ class Grammar:
 
 class Grammars:
     """Compiles grammars for one tokenizer: its llguidance view is built once, on first use
-    (about a second for 152k tokens), and compiled grammars are cached. Thread-safe: a
+    (about 1.5 s for 152k tokens), and compiled grammars are cached. Thread-safe: a
     server checks a request's grammar on its event loop, the scheduler's thread starts it.
 
     ``vocab_size`` is the width of the logits rows masked; ``eos_ids`` the tokens that end
