@@ -293,7 +293,7 @@ class Generation:
         partial multi-byte character or the start of a stop string."""
         if not self.done:
             text = text.rstrip("\ufffd")
-            text = text[: len(text) - _held_back(text, self.stop)]
+            text = text[: len(text) - held_back(text, self.stop)]
         if text.startswith(self.streamed) and len(text) > len(self.streamed):
             self.on_text(text[len(self.streamed) :])
             self.streamed = text
@@ -329,7 +329,7 @@ def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _held_back(text: str, stops: Sequence[str]) -> int:
+def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters could still become a stop string (not streamed yet)."""
     longest = 0
     for s in stops:

@@ -191,12 +191,14 @@ class Stepper:
 
 
 def _admitted(g: Generation, draft: Draft) -> Draft:
-    """The draft cut before its first token the generation's grammar refuses (only a drafter
-    without probabilities proposes one: the draft model draws from the masked p)."""
+    """The draft cut before its first token the generation's grammar refuses. Only a drafter
+    without probabilities proposes one: a draft drawn from p was drawn from the masked p."""
+    if draft.probs is not None:
+        return draft
     count = g.admitted(draft.tokens)
     if count == len(draft.tokens):
         return draft
-    return Draft(draft.tokens[:count], None if draft.probs is None else draft.probs[:count])
+    return Draft(draft.tokens[:count], None)
 
 
 def _tokens(

@@ -303,16 +303,17 @@ class ChatCompletionRequest(SamplingFields):
         """What the output must match: a forced tool call, else ``response_format``."""
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice")
+        shaped = super().grammar()
         if not self.tool_mode:
-            return super().grammar()
+            return shaped
         try:
             forced = tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
         except ValueError as err:
             raise APIError(400, str(err), "tool_choice") from None
-        if forced is not None and super().grammar() is not None:
+        if forced is not None and shaped is not None:
             message = "response_format cannot be used with a tool_choice that forces a call"
             raise APIError(400, message, "response_format")
-        return forced or super().grammar()
+        return forced or shaped
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to report, or None: no log-probabilities."""

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cactus_spec.runtime.generation import held_back
 from cactus_spec.runtime.grammar import Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -135,7 +136,7 @@ class ContentStream:
         if start >= 0:
             visible = self.text[:start]
         else:
-            visible = self.text[: len(self.text) - _partial_open(self.text)]
+            visible = self.text[: len(self.text) - held_back(self.text, [OPEN])]
         return self._send(visible)
 
     def finish(self, content: str | None) -> str:
@@ -147,11 +148,3 @@ class ContentStream:
             return ""
         new, self.sent = visible[len(self.sent) :], visible
         return new
-
-
-def _partial_open(text: str) -> int:
-    """How many trailing characters of ``text`` begin ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
