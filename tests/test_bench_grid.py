@@ -37,6 +37,19 @@ def test_cli_entries_expand_to_the_product() -> None:
     assert grid[0].num_draft_tokens == 0 and grid[0].drafter is None
 
 
+def test_block_verification_expands_and_marks_ids() -> None:
+    grid = expand([parse_entry("sps:verification=chain,block")], [6])
+    assert ids(grid) == ["sps/K6/model", "sps/K6/model/block"]
+    assert grid[1].spec.verification == "block" and grid[1].label == "sps K6 block"
+    assert Config.from_dict(grid[1].as_dict()) == grid[1]
+    with pytest.raises(ValueError, match="takes a lossless method"):
+        expand([parse_entry("cactus:verification=block")], [6])
+    with pytest.raises(ValueError, match="peer: verification does not apply"):
+        expand([parse_entry("hf_assisted:verification=block")], [6])
+    with pytest.raises(ValueError, match="drafts nothing"):
+        expand([parse_entry("ar:verification=block")], [6])
+
+
 def test_entry_overrides_and_duplicates() -> None:
     grid = expand([parse_entry("sps:drafter=ngram:num_draft_tokens=3"), parse_entry("ar")] * 2)
     assert ids(grid) == ["sps/K3/ngram", "ar"]

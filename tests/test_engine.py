@@ -185,13 +185,15 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
     return counts
 
 
-def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus() -> None:
+@pytest.mark.parametrize("verification", ["chain", "block"])
+def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)  # overlaps the target, but differs
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
-    sps = SpeculativeDecoder(target, draft, spec_of(SpS(), 2))
+    sps_spec = DecodeSpec.of("sps", num_draft_tokens=2, verification=verification)
+    sps = SpeculativeDecoder(target, draft, sps_spec)
     cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(5.0), 2))
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)

@@ -57,6 +57,12 @@ def test_text_values_are_converted_only_when_asked():
         ({"drafter": "eagle"}, f"drafter must be one of {', '.join(DRAFTERS)}, got 'eagle'"),
         ({"delta": 0.5}, "method is required with method parameters"),
         ({"temperature": 0.5}, "unknown key 'temperature'"),
+        ({"verification": "tree"}, "verification must be one of chain, block, got 'tree'"),
+        ({"method": "ar", "verification": "block"}, "verification does not apply to method ar"),
+        (
+            {"method": "cactus", "verification": "block"},
+            "verification block keeps the verifier's law, so it takes a lossless method",
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_what_it_allows(values, message):
@@ -85,9 +91,19 @@ def test_none_values_count_as_not_given():
 
 def test_spec_keys_hold_every_registry_parameter():
     params = {p.name for m in METHODS.values() for p in m.params}
-    assert {"method", "num_draft_tokens", "drafter"} | params == set(SPEC_KEYS)
+    assert {"method", "num_draft_tokens", "drafter", "verification"} | params == set(SPEC_KEYS)
 
 
 def test_a_spec_built_by_hand_must_list_its_method_parameters():
     with pytest.raises(ValueError, match="params of cactus"):
         DecodeSpec("cactus", (("delta", 1.0),))
+
+
+def test_block_verification_is_kept_where_it_applies_and_chain_elsewhere():
+    block = parse_spec({"method": "sps", "verification": "block"})
+    assert block.verification == "block" and block.as_dict()["verification"] == "block"
+    assert parse_spec({"num_draft_tokens": 4}, base=block).verification == "block"
+    # a server's block default does not stop a request for a lossy method
+    assert parse_spec({"method": "cactus"}, base=block).verification == "chain"
+    assert DecodeSpec.of("sps").verification == "chain"
+    assert DecodeSpec.of("ar").verification is None

@@ -23,7 +23,7 @@ from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
-from cactus_spec.core.spec import DRAFTERS, DecodeSpec, parse_spec
+from cactus_spec.core.spec import DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.policy import POLICIES
@@ -49,7 +49,8 @@ def _method_flags() -> dict[str, list]:
 
 
 def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
-    """--method, its parameters, --num-draft-tokens and --drafter: the decoding spec."""
+    """--method, its parameters, --num-draft-tokens, --drafter and --verification: the
+    decoding spec."""
     p.add_argument(
         "--method",
         default=DEFAULT_METHOD,
@@ -57,6 +58,12 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
     )
     p.add_argument("--num-draft-tokens", type=int, help=k_help)
     p.add_argument("--drafter", choices=DRAFTERS, help="where drafts come from (default model)")
+    p.add_argument(
+        "--verification",
+        choices=VERIFICATIONS,
+        help="how a drafted chain is judged: chain (token by token, default) or block "
+        "(the chain as a whole: more tokens kept, lossless; method sps)",
+    )
     for name, takers in _method_flags().items():
         first = takers[0][1]
         words = "; ".join(f"{m}: {p.help} ({p.allowed}, default {p.default})" for m, p in takers)
@@ -288,9 +295,11 @@ def _flag(key: str) -> str:
 
 
 def _spec(args: argparse.Namespace) -> DecodeSpec:
-    """The decoding spec of --method, its parameters, --num-draft-tokens and --drafter."""
+    """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter and
+    --verification."""
     given = {name: getattr(args, name) for name in _method_flags()}
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
+    given |= {"verification": args.verification}
     return parse_spec({"method": args.method, **given}, label=_flag)
 
 

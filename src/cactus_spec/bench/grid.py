@@ -1,4 +1,5 @@
-"""Configurations to compare: method × its parameters × K (num_draft_tokens) × drafter.
+"""Configurations to compare: method × its parameters × K (num_draft_tokens) × drafter ×
+verification.
 
 Methods are the engine's (the registry in ``methods``: ar, sps, cactus, tas, interp, topk) and
 peers: Hugging Face's ``hf`` (plain ``generate`` on the verifier) and ``hf_assisted``
@@ -16,8 +17,9 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
     delta = [0.5, 1.0]
     exact = [false, true]
 
-Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``
-or ``drafter``, overriding the defaults for that entry, or ``verifier`` (the verifier's
+Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
+``drafter`` or ``verification`` (``chain`` or ``block``: ``sps:verification=chain,block``),
+overriding the defaults for that entry, or ``verifier`` (the verifier's
 weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for every method but
 llama.cpp's, which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares
 both in one run.
@@ -49,7 +51,7 @@ PEERS: dict[str, dict[str, int]] = {
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-_DRAFT_KEYS = ("num_draft_tokens", "drafter")
+_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification")
 
 Entry = tuple[str, dict[str, list]]
 
@@ -63,6 +65,7 @@ class Config:
     num_draft_tokens: int = 0  # 0 for a method that drafts nothing
     drafter: str | None = None  # None for a method that drafts nothing
     verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
+    verification: str = "chain"  # how the engine judges a chain (core.spec.VERIFICATIONS)
 
     @property
     def drafts(self) -> bool:
@@ -81,15 +84,17 @@ class Config:
         values = {"method": self.method, **dict(self.params)}
         if self.drafts:
             values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
+            values |= {"verification": self.verification}
         return parse_spec(values)
 
     @property
     def id(self) -> str:
-        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``@int8`` appended
-        for an int8 verifier)."""
+        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``/block`` appended
+        for block verification, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{self.num_draft_tokens}/{self.drafter}" if self.drafts else head
+        head = f"{head}/block" if self.verification == "block" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
     @property
@@ -104,6 +109,7 @@ class Config:
         if self.drafts:
             words.append(f"K{self.num_draft_tokens}")
             words += ["ngram"] if self.drafter == "ngram" else []
+            words += ["block"] if self.verification == "block" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
 
@@ -116,6 +122,7 @@ class Config:
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter,
             "verifier": self.verifier,
+            "verification": self.verification,
         }
 
     @classmethod
@@ -127,6 +134,7 @@ class Config:
             data["num_draft_tokens"],
             data["drafter"],
             data["verifier"],
+            data.get("verification", "chain"),  # runs recorded before block verification
         )
 
 
@@ -140,10 +148,12 @@ def make_config(
     k: object = None,
     drafter: object = None,
     verifier: str = "none",
+    verification: object = None,
 ) -> Config:
     """A validated configuration; values may be text (the command line). An engine method's
-    parameters, K and drafter are read by ``core.spec.parse_spec``, a peer's K and drafter
-    by the same rules; unknown methods, parameters or values raise ValueError."""
+    parameters, K, drafter and verification are read by ``core.spec.parse_spec``, a peer's K
+    and drafter by the same rules (a peer verifies its own way: verification is refused);
+    unknown methods, parameters or values raise ValueError."""
     if method not in NAMES:
         raise ValueError(f"method must be one of {', '.join(NAMES)}, got {method!r}")
     allowed = METHODS[method].defaults if method in METHODS else PEERS[method]
@@ -158,9 +168,12 @@ def make_config(
         raise ValueError(f"{method}: verifier must be one of {', '.join(QUANTS)}, got {verifier!r}")
     verifier = "none" if method in LLAMACPP_METHODS else verifier  # it runs the GGUF
     draft = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
+    if verification is not None and method not in METHODS:
+        raise ValueError(f"{method} is a peer: verification does not apply")
     try:
         if method in METHODS:
-            spec = parse_spec({"method": method, **params, **draft}, text=True)
+            judged = {"verification": verification} if method not in NO_DRAFT else {}
+            spec = parse_spec({"method": method, **params, **draft, **judged}, text=True)
             values = dict(spec.params)
         else:
             spec = parse_spec({"method": "sps", **draft}, text=True)  # a peer's K and drafter
@@ -170,7 +183,12 @@ def make_config(
     if method in NO_DRAFT:
         return Config(method, tuple(sorted(values.items())), verifier=verifier)
     return Config(
-        method, tuple(sorted(values.items())), spec.num_draft_tokens, spec.drafter, verifier
+        method,
+        tuple(sorted(values.items())),
+        spec.num_draft_tokens,
+        spec.drafter,
+        verifier,
+        spec.verification if method in METHODS else "chain",
     )
 
 
@@ -188,25 +206,31 @@ def expand(
     ks: Sequence[int] | None = None,
     drafters: Sequence[str] = ("model",),
     verifiers: Sequence[str] = ("none",),
+    verifications: Sequence[str | None] = (None,),
 ) -> tuple[Config, ...]:
     """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
-    verifier formats of entries that name none (llama.cpp's always run the GGUF)."""
+    verifier formats of entries that name none (llama.cpp's always run the GGUF);
+    ``verifications``: how the engine's drafting entries that name none judge chains
+    (None: chain)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
         if method in NO_DRAFT and set(lists) & set(_DRAFT_KEYS):
-            raise ValueError(f"{method} drafts nothing: num_draft_tokens and drafter do not apply")
+            raise ValueError(
+                f"{method} drafts nothing: num_draft_tokens, drafter and verification do not apply"
+            )
         if method in LLAMACPP_METHODS and "verifier" in lists:
             raise ValueError(f"{method} runs the verifier's GGUF itself: verifier does not apply")
         k_values = lists.get("num_draft_tokens", ks)
         drafter_values = lists.get("drafter", drafters)
         verifier_values = [_text(v) for v in lists.get("verifier", verifiers)]
+        judged = lists.get("verification", verifications if method in METHODS else [None])
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
-        for combo in itertools.product(*axes):
-            *values, k, drafter, verifier = combo
+        for combo in itertools.product(*axes, judged):
+            *values, k, drafter, verifier, verification = combo
             params = dict(zip(names, values, strict=True))
-            config = make_config(method, params, k, drafter, verifier)
+            config = make_config(method, params, k, drafter, verifier, verification)
             configs.setdefault(config.id, config)
     if not configs:
         raise ValueError("the grid holds no configuration")
@@ -252,7 +276,8 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     entries = [_file_entry(entry, path) for entry in methods]
     ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
     drafters = _listed(raw.get("drafter", ["model"]))
-    return expand(entries, ks, drafters, _listed(raw.get("verifier", ["none"])))
+    verifiers = _listed(raw.get("verifier", ["none"]))
+    return expand(entries, ks, drafters, verifiers, _listed(raw.get("verification", [None])))
 
 
 def _read_structured(path: Path) -> dict:

@@ -12,6 +12,9 @@ value is converted, checked and its error worded in one place:
 - ``num_draft_tokens`` (K): the tokens drafted per iteration, an integer >= 1, or None where
   a serving policy picks K each iteration (``runtime.policy``).
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
+- ``verification``: how a drafted chain is judged, one of ``VERIFICATIONS``: ``chain``, token
+  by token (every rule), or ``block``, the chain as a whole (``core.block_verification``;
+  lossless rules only: it keeps the verifier's law, not a lossy rule's).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -38,21 +41,27 @@ from cactus_spec.core.rules import Rule
 
 #: Where drafts come from: a small draft model, or n-gram lookup in the context.
 DRAFTERS = ("model", "ngram")
+#: How a drafted chain is judged: token by token, or as a block (lossless rules only).
+VERIFICATIONS = ("chain", "block")
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
 SPEC_KEYS = (
     "method",
     "num_draft_tokens",
     "drafter",
+    "verification",
     *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
 )
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+#: The spec's own keys (the rest of SPEC_KEYS are method parameters).
+_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification")
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
-    filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it) and
-    ``drafter`` (None for ``ar``). Build one with ``parse_spec`` or ``DecodeSpec.of``."""
+    filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
+    ``drafter`` (None for ``ar``) and ``verification`` (None for ``ar``). Build one with
+    ``parse_spec`` or ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
     params: tuple[tuple[str, ParamValue], ...] = field(
@@ -60,6 +69,7 @@ class DecodeSpec:
     )
     num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS
     drafter: str | None = "model"
+    verification: str | None = "chain"
 
     def __post_init__(self) -> None:
         names = sorted(get_method(self.method).defaults)
@@ -91,19 +101,20 @@ class DecodeSpec:
         return parse_spec({"num_draft_tokens": k}, base=self) if k is not None else _no_k(self)
 
     def as_dict(self) -> dict:
-        """JSON-ready: method, params, num_draft_tokens, drafter."""
+        """JSON-ready: method, params, num_draft_tokens, drafter, verification."""
         return {
             "method": self.method,
             "params": dict(self.params),
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter,
+            "verification": self.verification,
         }
 
 
 def _no_k(spec: DecodeSpec) -> DecodeSpec:
     if not spec.drafts:
         return spec
-    return DecodeSpec(spec.method, spec.params, None, spec.drafter)
+    return DecodeSpec(spec.method, spec.params, None, spec.drafter, spec.verification)
 
 
 def parse_spec(
@@ -127,7 +138,7 @@ def parse_spec(
     unknown = [k for k in given if k not in SPEC_KEYS]
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r}; the spec takes {', '.join(SPEC_KEYS)}")
-    params = {k: v for k, v in given.items() if k not in ("method", "num_draft_tokens", "drafter")}
+    params = {k: v for k, v in given.items() if k not in _OWN_KEYS}
     if "method" not in given and params:
         names = ", ".join(label(name) for name in params)
         raise ValueError(f"{label('method')} is required with method parameters ({names})")
@@ -139,10 +150,10 @@ def parse_spec(
             takers = ", ".join(methods_taking(name)) or "no method"
             raise ValueError(f"{label(name)} does not apply to {where} (it applies to {takers})")
     if not spec.drafts:
-        for name in ("num_draft_tokens", "drafter"):
+        for name in _OWN_KEYS[1:]:
             if name in given:
                 raise ValueError(f"{label(name)} does not apply to {where} (it drafts nothing)")
-        return DecodeSpec(method, (), 0, None)
+        return DecodeSpec(method, (), 0, None, None)
     defaults = spec.defaults if "method" in given else dict(base.params)
     typed = {
         name: _convert(label(name), params[name], default, text) if name in params else default
@@ -151,11 +162,13 @@ def parse_spec(
     build_rule(method, typed)  # the rule checks its ranges
     k = given.get("num_draft_tokens")
     drafter = given.get("drafter")
+    verification = given.get("verification")
     return DecodeSpec(
         method,
         tuple(typed.items()),
         _num_draft_tokens(k, text, label) if k is not None else _base_k(base),
         _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
+        _verification(verification, method, typed, label, base),
     )
 
 
@@ -177,6 +190,26 @@ def _drafter(value: object, text: bool, label: Callable[[str], str]) -> str:
         allowed = ", ".join(DRAFTERS)
         raise ValueError(f"{label('drafter')} must be one of {allowed}, got {value!r}")
     return drafter
+
+
+def _verification(
+    value: object, method: str, params: dict, label: Callable[[str], str], base: DecodeSpec
+) -> str:
+    """The verification given (checked), else the base's where it applies, else chain."""
+    lossless = build_rule(method, params).lossless
+    if value is None:
+        kept = base.verification or VERIFICATIONS[0]
+        return kept if lossless else VERIFICATIONS[0]
+    chosen = _convert(label("verification"), value, "", False)
+    if chosen not in VERIFICATIONS:
+        allowed = ", ".join(VERIFICATIONS)
+        raise ValueError(f"{label('verification')} must be one of {allowed}, got {value!r}")
+    if chosen == "block" and not lossless:
+        raise ValueError(
+            f"{label('verification')} block keeps the verifier's law, so it takes a lossless "
+            f"method (sps), not {method}; {method} verifies chains"
+        )
+    return chosen
 
 
 def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> object:

@@ -81,10 +81,10 @@ def verify(
         p_stop = None if draft_probs is None else draft_probs[rows, stop].float()
         resid = rule.residual(q_stop, draft_ids[rows, stop], p_stop)  # [B, V]
         final = sample_inverse_cdf(torch.where(rejected, resid, bonus), u[:, k])
-    return VerifyResult(_assemble(draft_ids, num_accepted, final), num_accepted)
+    return VerifyResult(assemble(draft_ids, num_accepted, final), num_accepted)
 
 
-def _assemble(draft_ids: Tensor, num_accepted: Tensor, final: Tensor) -> Tensor:
+def assemble(draft_ids: Tensor, num_accepted: Tensor, final: Tensor) -> Tensor:
     """[B, K+1] rows: kept drafts, the final token at column num_accepted, then -1."""
     batch, k = draft_ids.shape
     positions = torch.arange(k + 1, device=draft_ids.device)  # [K+1]

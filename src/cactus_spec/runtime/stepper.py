@@ -10,8 +10,9 @@ iteration
    drafting; K_b = 0 for an autoregressive row, or when the budget is spent);
 2. feeds each row ``[t_b, d_b1..d_bK_b]`` (t_b = its last emitted token, not yet in the
    verifier's cache) in one verifier forward over all rows, ragged: K_b + 1 rows of q each;
-3. runs ``verify`` per row with that row's rule, sampling and generator, so a row keeps a
-   different number of tokens than its neighbours (ragged acceptance);
+3. runs ``verify`` (or ``verify_block`` for a spec verifying blocks) per row with that row's
+   rule, sampling and generator, so a row keeps a different number of tokens than its
+   neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
 
 Every random draw of a row comes from its own generator in the same order as when it is
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.audit import step_divergences
+from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.sampling import draw
 from cactus_spec.core.verification import verify
@@ -216,9 +218,12 @@ def _tokens(
             continue
         ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
         p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
-        result = verify(
-            ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
-        )
+        if g.spec.verification == "block" and not g.sampling.greedy:
+            result = verify_block(ids, q[None], p, g.generator, validate=False)
+        else:  # chains, and greedy blocks (every weight 0 or 1: the same test)
+            result = verify(
+                ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
+            )
         out.append(result.tokens[0, : int(result.num_accepted[0]) + 1].tolist())
     return out
 

@@ -50,7 +50,12 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
                 f"{prefix}{key} does not apply in vLLM: the draft length and the drafter are "
                 "the server's --speculative-config"
             )
-    allowed = [key for key in SPEC_KEYS if key not in _VLLM_OWNED]
+    if "verification" in values:
+        raise ValueError(
+            f"{prefix}verification does not apply in vLLM: its rejection sampler verifies "
+            "chains token by token"
+        )
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "verification")]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
