@@ -42,8 +42,9 @@ def test_block_verification_expands_and_marks_ids() -> None:
     assert ids(grid) == ["sps/K6/model", "sps/K6/model/block"]
     assert grid[1].spec.verification == "block" and grid[1].label == "sps K6 block"
     assert Config.from_dict(grid[1].as_dict()) == grid[1]
-    with pytest.raises(ValueError, match="takes a lossless method"):
-        expand([parse_entry("cactus:verification=block")], [6])
+    assert expand([parse_entry("cactus:verification=block")], [6])[0].spec.verification == "block"
+    with pytest.raises(ValueError, match="takes a method with a target per position"):
+        expand([parse_entry("tas:verification=block")], [6])
     with pytest.raises(ValueError, match="peer: verification does not apply"):
         expand([parse_entry("hf_assisted:verification=block")], [6])
     with pytest.raises(ValueError, match="drafts nothing"):

@@ -12,11 +12,13 @@ from lawcheck import binomial_violations, random_dist
 from torch import Tensor
 
 from cactus_spec.core.block_verification import stop_probs, verify_block
-from cactus_spec.core.rules import SpS, normalize
+from cactus_spec.core.kl_target import kl_target
+from cactus_spec.core.rules import Cactus, Rule, SpS, normalize
 from cactus_spec.core.sampling import sample_inverse_cdf, uniforms
 from cactus_spec.core.verification import VerifyResult, assemble, verify
 
 V, K, N = 3, 2, 120_000
+SPS = SpS()
 
 
 def _tables(seed: int, sharpness: float) -> tuple[list[Tensor], list[Tensor]]:
@@ -53,10 +55,23 @@ def _context_free(p: tuple[float, ...], q: tuple[float, ...]) -> tuple[list[Tens
 WEIGHT_MATTERS = _context_free((0.8, 0.15, 0.05), (0.2, 0.3, 0.5))
 
 
-def _sequence_counts(verifier, tables, one_hot: bool) -> tuple[Tensor, Tensor]:
-    """Counts of the first K+1 output tokens over N runs (one block-verified iteration,
-    then the verifier's own draws), and their exact law under q."""
+def _targets(tables, rule: Rule) -> list[Tensor]:
+    """The rule's target at every prefix: block_target(q, p) for j < K, q at K."""
     p, q = tables
+    out = []
+    for j in range(K):
+        flat_q, flat_p = q[j].reshape(-1, V).float(), p[j].reshape(-1, V).float()
+        ids = flat_p.argmax(-1)  # unused by sps and by cactus with a full p row
+        out.append(rule.block_target(flat_q, ids, flat_p).double().reshape(q[j].shape))
+    return [*out, q[K]]
+
+
+def _sequence_counts(verifier, tables, one_hot: bool, rule: Rule = SPS) -> tuple[Tensor, Tensor]:
+    """Counts of the first K+1 output tokens over N runs (one block-verified iteration,
+    then draws from the targets), and their exact law: the product of the rule's targets
+    (q for SpS)."""
+    p, q = tables
+    t = _targets(tables, rule) if not one_hot else q
     g = torch.Generator().manual_seed(1)
     drafts = torch.empty(N, 0, dtype=torch.long)
     p_rows, q_rows = [], []
@@ -70,16 +85,16 @@ def _sequence_counts(verifier, tables, one_hot: bool) -> tuple[Tensor, Tensor]:
     probs = None if one_hot else torch.stack(p_rows, 1).float()  # [N, K, V]
     result = verifier(drafts, torch.stack(q_rows, 1).float(), probs, g)
     out = result.tokens  # [N, K+1], -1 after the emitted ones
-    for j in range(K + 1):  # extend every row to K+1 tokens with the verifier's law
+    for j in range(K + 1):  # extend every row to K+1 tokens with the targets' law
         missing = out[:, j] < 0
         if bool(missing.any()):
-            out[missing, j] = _draw(_rows(q[j], out[missing, :j]), g)
+            out[missing, j] = _draw(_rows(t[j], out[missing, :j]), g)
     codes = (out * torch.tensor([V**i for i in reversed(range(K + 1))])).sum(-1)
     counts = torch.bincount(codes, minlength=V ** (K + 1))
     law = torch.ones(V ** (K + 1), dtype=torch.float64)
     for code, seq in enumerate(itertools.product(range(V), repeat=K + 1)):
         for j in range(K + 1):
-            law[code] *= q[j][seq[:j]][seq[j]]
+            law[code] *= t[j][seq[:j]][seq[j]]
     return counts, law
 
 
@@ -182,3 +197,68 @@ def test_bad_input_is_refused_like_verify() -> None:
     q = torch.full((1, 3, 4), 0.25)
     with pytest.raises(ValueError, match="draft_ids must lie in"):
         verify_block(torch.tensor([[0, 7]]), q)
+
+
+def _kl(t: Tensor, q: Tensor) -> float:
+    return float(torch.special.xlogy(t, t).sum() - torch.special.xlogy(t, q).sum())
+
+
+@pytest.mark.parametrize("delta", [0.02, 0.3, 1.0])
+def test_kl_target_is_the_best_overlap_within_the_budget(delta: float) -> None:
+    """Against every target on a 0.004 grid of the 3-token simplex: none within the budget
+    overlaps p more (to the grid's resolution), and the budget holds exactly."""
+    q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    p = torch.tensor([0.1, 0.3, 0.6], dtype=torch.float64)
+    t = kl_target(q.float(), p.float(), delta).double()
+    assert abs(float(t.sum()) - 1) < 1e-6 and bool((t >= 0).all())
+    assert _kl(t, q) <= delta + 1e-6
+    steps = torch.arange(0, 1.0001, 0.004, dtype=torch.float64)
+    a, b = torch.meshgrid(steps, steps, indexing="ij")
+    grid = torch.stack([a, b, 1 - a - b], -1).reshape(-1, 3)
+    grid = grid[(grid[:, 2] >= 0)]
+    kls = (torch.special.xlogy(grid, grid) - torch.special.xlogy(grid, q)).sum(-1)
+    best = torch.minimum(grid[kls <= delta], p).sum(-1).max()
+    overlap = float(torch.minimum(t, p).sum())
+    assert overlap >= float(best) - 1e-6  # t is float32
+    assert overlap <= float(best) + 0.01  # the grid comes close: the check can fail
+
+
+def test_kl_target_edges_zero_budget_saturation_and_support() -> None:
+    g = torch.Generator().manual_seed(5)
+    q, p = random_dist(40, g), random_dist(40, g)
+    assert torch.equal(kl_target(q, p, 0.0), q)
+    assert torch.allclose(kl_target(q, p, 50.0), p, atol=1e-6)  # the budget covers KL(p || q)
+    q_cut = torch.where(q > q.median(), q, 0.0)
+    q_cut /= q_cut.sum()
+    t = kl_target(q_cut, p, 0.1)
+    assert bool((t[q_cut == 0] == 0).all())  # nothing leaves q's support
+    assert _kl(t.double(), q_cut.double()) == pytest.approx(0.1, abs=1e-5)
+    wide = kl_target(q_cut, p, 5.0)  # saturated: all of p's mass on q's support is matched
+    assert float(torch.minimum(wide, p).sum()) == pytest.approx(float(p[q_cut > 0].sum()))
+
+
+def test_one_hot_target_is_exact_cactus_h() -> None:
+    g = torch.Generator().manual_seed(6)
+    q = torch.stack([random_dist(30, g) for _ in range(8)])  # [8, V]
+    ids = torch.randint(0, 30, (8,), generator=g)
+    one_hot = torch.nn.functional.one_hot(ids, 30).float()
+    for delta in (0.05, 0.5):
+        expected = Cactus(delta, exact=True).h(q, ids, None)
+        assert torch.allclose(kl_target(q, one_hot, delta), expected, atol=1e-5)
+
+
+def _cactus_block(delta: float):
+    def run(draft_ids, q, p, g) -> VerifyResult:
+        return verify_block(draft_ids, q, p, g, rule=Cactus(delta))
+
+    return run
+
+
+@pytest.mark.parametrize("tables", ["random", "weight_matters"])
+def test_cactus_on_blocks_emits_its_per_position_targets(tables) -> None:
+    chosen = _tables(0, 1.5) if tables == "random" else WEIGHT_MATTERS
+    counts, law = _sequence_counts(_cactus_block(0.3), chosen, False, Cactus(0.3))
+    assert binomial_violations(counts, law) == []
+    # negative control: the same samples are not the verifier's law
+    _, q_law = _sequence_counts(_cactus_block(0.3), chosen, False, SPS)
+    assert binomial_violations(counts, q_law) != []

@@ -33,7 +33,7 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--method", "sps", "--delta", "0.5"], "--delta does not apply to --method sps"),
         (["--method", "cactus", "--k", "3"], r"--k does not apply to --method cactus \(it applies"),
         (["--method", "ar", "--drafter", "ngram"], "--drafter does not apply to --method ar"),
-        (["--method", "cactus", "--verification", "block"], "--verification block keeps"),
+        (["--method", "tas", "--verification", "block"], "--verification block takes a method"),
         (["--method", "cactus", "--delta", "-1"], "delta must be a finite number >= 0"),
         (["--method", "tas", "--epsilon", "2"], r"epsilon must be a number in \[0, 1\]"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1, got 0"),

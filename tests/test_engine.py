@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import AR, make_tiny_lm, spec_of
 
+from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
@@ -198,6 +199,29 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verif
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)
     assert negative < 1e-6  # negative control: the same test can fail
+
+
+def test_cactus_on_blocks_emits_its_target_and_meters_at_most_delta_per_position() -> None:
+    target = make_tiny_lm(vocab_size=32, seed=6)
+    draft = noisy_copy(target, 1.0, seed=7)
+    sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
+    prompt, runs, delta = [5, 17, 3, 19, 11], 1200, 0.5
+    with torch.no_grad():
+        q0 = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        p0 = logits_to_probs(draft(torch.tensor([prompt])).logits[0, -1], sampling)
+    t0 = kl_target(q0, p0, delta)
+    spec = DecodeSpec.of("cactus", delta=delta, num_draft_tokens=2, verification="block")
+    decoder = SpeculativeDecoder(target, draft, spec)
+    firsts: dict = {}
+    for pair, count in sampled_pairs(decoder, prompt, runs, sampling).items():
+        firsts[(pair[0],)] = firsts.get((pair[0],), 0) + count
+    target_law = {(x,): float(t0[x]) for x in t0.nonzero().flatten().tolist()}
+    verifier_law = {(x,): float(q0[x]) for x in q0.nonzero().flatten().tolist()}
+    assert chi_square_p_value(firsts, target_law, runs) > 1e-3
+    assert chi_square_p_value(firsts, verifier_law, runs) < 1e-6  # negative control
+    result = decoder.generate(prompt, 40, 1.0, 3, 1.0, seed=1)
+    drafted_positions = result.stats.accepted + result.stats.iterations  # upper bound
+    assert 0 < result.stats.kl_nats <= delta * drafted_positions + 1e-6
 
 
 @pytest.mark.parametrize(

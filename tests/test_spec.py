@@ -60,8 +60,8 @@ def test_text_values_are_converted_only_when_asked():
         ({"verification": "tree"}, "verification must be one of chain, block, got 'tree'"),
         ({"method": "ar", "verification": "block"}, "verification does not apply to method ar"),
         (
-            {"method": "cactus", "verification": "block"},
-            "verification block keeps the verifier's law, so it takes a lossless method",
+            {"method": "tas", "verification": "block"},
+            r"verification block takes a method with a target per position \(sps, cactus\)",
         ),
     ],
 )
@@ -103,7 +103,8 @@ def test_block_verification_is_kept_where_it_applies_and_chain_elsewhere():
     block = parse_spec({"method": "sps", "verification": "block"})
     assert block.verification == "block" and block.as_dict()["verification"] == "block"
     assert parse_spec({"num_draft_tokens": 4}, base=block).verification == "block"
-    # a server's block default does not stop a request for a lossy method
-    assert parse_spec({"method": "cactus"}, base=block).verification == "chain"
+    assert parse_spec({"method": "cactus"}, base=block).verification == "block"
+    # a server's block default does not stop a request for a rule without a block target
+    assert parse_spec({"method": "tas"}, base=block).verification == "chain"
     assert DecodeSpec.of("sps").verification == "chain"
     assert DecodeSpec.of("ar").verification is None

@@ -20,7 +20,11 @@ draw for draw. The residual's weight lets a rejection at position i "give back" 
 an earlier accepted draft took from the rows after it, which is where the extra drafts
 come from.
 
-At temperature 0 there is nothing to gain (every weight is 0 or 1): ``verify`` serves it.
+Block verification is exact for any target that is a function of each position's prefix,
+so a lossy rule joins it through a per-position target t (``Rule.block_target``; Cactus's is
+``kl_target``): the output then follows t at every drafted position, and KL(t || q) is what
+the position costs. At temperature 0 there is nothing to gain (every weight is 0 or 1):
+``verify`` serves it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cactus_spec.core.rules import draft_prob_at, draft_row, gather_last, normalize
+from cactus_spec.core.rules import Rule, draft_prob_at, draft_row, gather_last, normalize
 from cactus_spec.core.sampling import Generators, check_generators, sample_inverse_cdf, uniforms
 from cactus_spec.core.verification import VerifyResult, assemble, check_inputs
 
@@ -64,18 +68,24 @@ def verify_block(
     draft_probs: Tensor | None = None,  # [B, K, V], None = one-hot drafts
     generator: Generators = None,
     validate: bool = True,
+    rule: Rule | None = None,
 ) -> VerifyResult:
     """Block-verify a batch of drafted chains; the same result type as ``verify``.
 
-    Random numbers: K+1 uniforms per row (K stopping tests, one inverse-CDF draw), the
-    same stream as ``verify`` (with K = 1 both emit the same tokens).
+    ``rule`` (default SpS) names the target of the drafted positions, its ``block_target``
+    (q for SpS; the output then follows it exactly); the bonus row stays q. Random numbers:
+    K+1 uniforms per row (K stopping tests, one inverse-CDF draw), the same stream as
+    ``verify`` (with K = 1 and SpS both emit the same tokens).
     """
     if validate:
         check_inputs(draft_ids, verifier_probs, draft_probs)
         check_generators(generator, draft_ids.shape[0])
     batch, k = draft_ids.shape
-    q = verifier_probs.float()  # [B, K+1, V]
     p = None if draft_probs is None else draft_probs.float()
+    q = verifier_probs.float()  # [B, K+1, V]
+    if rule is not None and not rule.lossless:
+        drafted = rule.block_target(q[:, :k], draft_ids, p)  # [B, K, V]
+        q = torch.cat([drafted, q[:, k:]], dim=1)  # [B, K+1, V]: the targets, then q
     h, w = stop_probs(draft_ids, q, p)  # [B, K] each
     u = uniforms(batch, k + 1, generator, draft_ids.device)  # [B, K+1]
     positions = torch.arange(1, k + 1, device=draft_ids.device)  # [K]

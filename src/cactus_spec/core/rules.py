@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.sampling import one_hot
 
 #: Bisection steps for the exact Cactus bound: float64 halves [q_n, 1] to below 1e-12,
@@ -76,6 +77,8 @@ class Rule:
 
     #: True when the emitted tokens follow q exactly.
     lossless: bool = False
+    #: True when the rule has a per-position target for block verification.
+    verifies_blocks: bool = False
 
     def accept_prob(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
         """Probability of accepting ``draft_ids``: q [..., V], ids [...], p [..., V] -> [...]."""
@@ -84,6 +87,11 @@ class Rule:
     def residual(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
         """Distribution of the replacement token on rejection: -> [..., V]."""
         raise NotImplementedError
+
+    def block_target(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
+        """The target t [..., V] block verification emits at each drafted position: a
+        function of q and p only, so the position's law is t itself (``verifies_blocks``)."""
+        raise ValueError(f"{type(self).__name__} has no block target; it verifies chains")
 
 
 class GeneralizedRule(Rule):
@@ -116,8 +124,12 @@ class SpS(GeneralizedRule):
     """Exact speculative sampling: h = q, so the output follows q exactly."""
 
     lossless = True
+    verifies_blocks = True
 
     def h(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
+        return q
+
+    def block_target(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
         return q
 
     def h_at_draft(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
@@ -165,10 +177,15 @@ class Cactus(GeneralizedRule):
     so KL(h || q) = binary KL(h_n || q_n) ~= delta to second order. With
     ``exact=True``, h_n is the largest gamma in [q_n, 1] with binary KL <= delta,
     so KL(h || q) <= delta for every drafted token. delta = 0 gives h = q (SpS).
+
+    On blocks the budget is spent per position instead (``block_target``): the target t
+    within KL delta of q that overlaps p most (``kl_target``), which block verification
+    emits exactly, so KL(law || q) <= delta at every position whatever ``exact``.
     """
 
     delta: float
     exact: bool = False
+    verifies_blocks = True
 
     def __post_init__(self) -> None:
         valid = _is_number(self.delta) and math.isfinite(self.delta)
@@ -191,6 +208,9 @@ class Cactus(GeneralizedRule):
         scale = torch.where(room > 0, (1 - h_n) / torch.where(room > 0, room, 1.0), 0.0)
         h = q * scale.unsqueeze(-1)  # [..., V]
         return h.scatter_(-1, draft_ids.unsqueeze(-1), h_n.unsqueeze(-1))  # h is ours
+
+    def block_target(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
+        return kl_target(q, draft_row(p, draft_ids, q.shape[-1]), self.delta)
 
 
 @dataclass(frozen=True)

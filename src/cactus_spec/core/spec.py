@@ -14,7 +14,7 @@ value is converted, checked and its error worded in one place:
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
 - ``verification``: how a drafted chain is judged, one of ``VERIFICATIONS``: ``chain``, token
   by token (every rule), or ``block``, the chain as a whole (``core.block_verification``;
-  lossless rules only: it keeps the verifier's law, not a lossy rule's).
+  rules with a target per position: sps, and cactus with its KL budget spent per position).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -41,7 +41,7 @@ from cactus_spec.core.rules import Rule
 
 #: Where drafts come from: a small draft model, or n-gram lookup in the context.
 DRAFTERS = ("model", "ngram")
-#: How a drafted chain is judged: token by token, or as a block (lossless rules only).
+#: How a drafted chain is judged: token by token, or as a block (rules with a block target).
 VERIFICATIONS = ("chain", "block")
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
 SPEC_KEYS = (
@@ -196,18 +196,19 @@ def _verification(
     value: object, method: str, params: dict, label: Callable[[str], str], base: DecodeSpec
 ) -> str:
     """The verification given (checked), else the base's where it applies, else chain."""
-    lossless = build_rule(method, params).lossless
+    blocks = build_rule(method, params).verifies_blocks
     if value is None:
         kept = base.verification or VERIFICATIONS[0]
-        return kept if lossless else VERIFICATIONS[0]
+        return kept if blocks else VERIFICATIONS[0]
     chosen = _convert(label("verification"), value, "", False)
     if chosen not in VERIFICATIONS:
         allowed = ", ".join(VERIFICATIONS)
         raise ValueError(f"{label('verification')} must be one of {allowed}, got {value!r}")
-    if chosen == "block" and not lossless:
+    if chosen == "block" and not blocks:
+        takers = ", ".join(n for n, m in METHODS.items() if m.rule and m.rule.verifies_blocks)
         raise ValueError(
-            f"{label('verification')} block keeps the verifier's law, so it takes a lossless "
-            f"method (sps), not {method}; {method} verifies chains"
+            f"{label('verification')} block takes a method with a target per position "
+            f"({takers}), not {method}; {method} verifies chains"
         )
     return chosen
 

@@ -21,7 +21,8 @@ rounding of batched matrix products, which moves a draw only when a uniform land
 rounding of a boundary).
 
 The divergence meter adds, per row, the exact KL(step_law || q) of every emitted drafted
-position (``audit``): an unbiased estimate of the sequence-level KL(P_method || P_verifier).
+position (``audit``; on blocks the law is the rule's target t, so KL(t || q)): an unbiased
+estimate of the sequence-level KL(P_method || P_verifier).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.core.audit import step_divergences
+from cactus_spec.core.audit import kl, step_divergences
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.sampling import draw
@@ -219,7 +220,7 @@ def _tokens(
         ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
         p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
         if g.spec.verification == "block" and not g.sampling.greedy:
-            result = verify_block(ids, q[None], p, g.generator, validate=False)
+            result = verify_block(ids, q[None], p, g.generator, False, g.spec.rule)
         else:  # chains, and greedy blocks (every weight 0 or 1: the same test)
             result = verify(
                 ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
@@ -232,8 +233,12 @@ def _meter(g: Generation, draft: Draft, q: Tensor, positions: int) -> None:
     """Add KL(law || q) of the first ``positions`` drafted positions (those that emitted a
     token) to the generation's divergence meter; q [K+1, V]."""
     start = time.perf_counter()
-    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
-    p = draft_row(draft.probs, ids, q.shape[-1])  # [K, V]
-    divergence = step_divergences(p[:positions], q[:positions], g.spec.rule)  # [positions]
+    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
+    p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
+    q = q[:positions]  # [P, V]
+    if g.spec.verification == "block":  # the law is the rule's target itself
+        divergence = kl(g.spec.rule.block_target(q, ids, p), q)  # [P]
+    else:
+        divergence = step_divergences(p, q, g.spec.rule)  # [P]
     g.stats.kl_nats += float(divergence.sum())
     g.stats.time_audit_s += time.perf_counter() - start
