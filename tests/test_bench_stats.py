@@ -109,3 +109,15 @@ def test_the_claim_holds_only_with_both_more_acceptance_and_quality_inside() -> 
     assert found["tas"]["inside"] is False and not found["tas"]["holds"]
     assert found["interp"]["inside"] and not found["interp"]["holds"]
     assert claim_check(configs, None) == []
+
+
+def test_block_verified_runs_are_compared_with_chain_sps() -> None:
+    block = {**_config("sps-block", "sps", 5.5, 0.61), "verification": "block"}
+    configs = [
+        _config("ar", "ar", None, 0.60),
+        {**_config("sps", "sps", 5.0, 0.62), "verification": "chain"},
+        block,  # listed after chain SpS: it must not become the base
+    ]
+    found = {x["id"]: x for x in claim_check(configs, "ar")}
+    assert set(found) == {"sps-block"}
+    assert found["sps-block"]["gain_over_sps"] == pytest.approx(1.1)

@@ -243,6 +243,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "to end where measured)",
     )
     p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="keep the N most frequent tokens in the draft's LM head (a cheaper draft step; "
+        "the output law is unchanged; default: all)",
+    )
+    p.add_argument(
         "--verifier-quant",
         choices=QUANTS,
         default="none",
@@ -313,6 +320,8 @@ def _check_model_args(args: argparse.Namespace) -> None:
     from cactus_spec.loading.models import check_load_options
 
     check_load_options(args.dtype, args.device, args.threads)
+    if args.draft_vocab is not None:
+        check_int("--draft-vocab", args.draft_vocab)
 
 
 def _engine(
@@ -341,6 +350,7 @@ def _engine(
         threads=args.threads,
         backend=args.backend,
         draft_quant=args.draft_quant,
+        draft_vocab=args.draft_vocab,
         verifier_quant=args.verifier_quant,
         max_batch=max_batch,
         prefix_cache=prefix_cache,
@@ -483,7 +493,7 @@ def run_demo(args: argparse.Namespace) -> int:
     stderr.print(f"loading {pair}: {verifier_src} (verifier), {draft_src} (draft) …")
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
     verifier = load_model(verifier_src, **options, quant=args.verifier_quant)
-    draft = load_model(draft_src, **options, quant=args.draft_quant)
+    draft = load_model(draft_src, **options, quant=args.draft_quant, head_vocab=args.draft_vocab)
     k = args.num_draft_tokens
     runs = [
         ("AR (verifier alone)", None, DecodeSpec.of("ar")),

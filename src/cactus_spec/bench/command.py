@@ -27,6 +27,7 @@ from cactus_spec.bench.rescore import rescore
 from cactus_spec.bench.runner import BenchSettings, run_bench
 from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
+from cactus_spec.core.checks import check_int
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig, check_seed
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.models import LoadedModel, check_load_options, load_model
@@ -122,11 +123,14 @@ def _check_seeds(seed: int, items: int) -> None:
         )
 
 
-def _load(source: str, args: argparse.Namespace, quant: str) -> LoadedModel:
+def _load(
+    source: str, args: argparse.Namespace, quant: str, head_vocab: int | None = None
+) -> LoadedModel:
     weights = "dense" if quant == "none" else quant
-    stderr.print(f"loading {source} ({weights} weights) ...")
+    head = "" if head_vocab is None else f", a head of the {head_vocab} most frequent tokens"
+    stderr.print(f"loading {source} ({weights} weights{head}) ...")
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
-    return load_model(source, **options, quant=quant)
+    return load_model(source, **options, quant=quant, head_vocab=head_vocab)
 
 
 def default_out(args: argparse.Namespace, settings: BenchSettings) -> Path:
@@ -144,6 +148,8 @@ def main_bench(args: argparse.Namespace) -> int:
     items = load_items(settings.task)
     _check_seeds(settings.seed, len(items))
     check_load_options(args.dtype, args.device, args.threads)
+    if args.draft_vocab is not None:
+        check_int("--draft-vocab", args.draft_vocab)
     out = default_out(args, settings)
     check_writable_dir(out)
     verifier_source, draft_source = _sources(args, settings.needs_draft)
@@ -151,7 +157,12 @@ def main_bench(args: argparse.Namespace) -> int:
     draft = None
     if draft_source is not None:
         same = draft_source == verifier_source and args.draft_quant in verifiers
-        draft = verifiers[args.draft_quant] if same else _load(draft_source, args, args.draft_quant)
+        same = same and args.draft_vocab is None
+        draft = (
+            verifiers[args.draft_quant]
+            if same
+            else _load(draft_source, args, args.draft_quant, args.draft_vocab)
+        )
     run_bench(settings, items, verifiers, draft, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

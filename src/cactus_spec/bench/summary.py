@@ -182,8 +182,9 @@ CLAIM_GAIN = 1.4
 
 
 def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
-    """For each lossy method on the dense verifier: its mean accepted length over SpS's (same
-    K and drafter), and whether its accuracy lies inside the verifier's 95% Wilson interval;
+    """For each lossy method and each block-verified one on the dense verifier: its mean
+    accepted length over chain SpS's (same K and drafter), and whether its accuracy lies
+    inside the verifier's 95% Wilson interval;
     ``holds``: both at once (at least ``CLAIM_GAIN`` times SpS, and inside). ``ceiling``:
     the largest gain K drafts allow (K over SpS's mean accepted length)."""
     ar = next((c for c in configs if c["id"] == reference and c.get("accuracy")), None)
@@ -192,13 +193,14 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
     sps = {
         (c["num_draft_tokens"], c["drafter"], c["verifier"]): c
         for c in configs
-        if c["method"] == "sps" and c.get("mean_accepted")
+        if c["method"] == "sps" and _chain(c) and c.get("mean_accepted")
     }
     found = []
     for c in configs:
         base = sps.get((c["num_draft_tokens"], c["drafter"], c["verifier"]))
-        lossy = c["method"] not in ("ar", "sps") and c.get("mean_accepted") and c.get("accuracy")
-        if not lossy or base is None or c["verifier"] != ar["verifier"]:
+        compared = c["method"] not in ("ar", "sps") or not _chain(c)
+        measured = c.get("mean_accepted") and c.get("accuracy")
+        if not (compared and measured) or base is None or c["verifier"] != ar["verifier"]:
             continue
         gain = c["mean_accepted"] / base["mean_accepted"]
         inside = ar["accuracy"][1] <= c["accuracy"][0] <= ar["accuracy"][2]
@@ -214,6 +216,11 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
             }
         )
     return found
+
+
+def _chain(config: dict) -> bool:
+    """Whether a configuration verifies chains (runs recorded before blocks all did)."""
+    return config.get("verification", "chain") == "chain"
 
 
 def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = None) -> list[str]:

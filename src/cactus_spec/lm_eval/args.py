@@ -76,7 +76,7 @@ def spec_args(given: dict[str, Any]) -> dict[str, Any]:
 
 _MODEL_ARGS = (
     "verifier", "draft", "max_batch", "max_length", "backend", "verifier_quant", "draft_quant",
-    "dtype", "threads", "seed",
+    "draft_vocab", "dtype", "threads", "seed",
 )  # fmt: skip
 
 

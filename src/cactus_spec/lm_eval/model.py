@@ -76,7 +76,8 @@ class CactusSpecLM(TemplateLM):
     ``core.spec.parse_spec`` as the command line's flags are; ``max_batch``
     (rows decoded and scored at once), ``max_length`` (the longest window the verifier
     reads; default its cache's context length), ``backend``, ``verifier_quant``,
-    ``draft_quant``, ``dtype``, ``threads``, ``seed`` (request i is decoded with
+    ``draft_quant``, ``draft_vocab`` (the draft head's most frequent tokens kept), ``dtype``,
+    ``threads``, ``seed`` (request i is decoded with
     ``lm_eval_args.request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu
     when CUDA is absent); its ``batch_size`` and ``max_batch_size`` are ignored
     (``max_batch`` sets the rows). ``verifier`` and ``draft`` may also be a ``LoadedModel``
@@ -95,6 +96,7 @@ class CactusSpecLM(TemplateLM):
         backend: str = "auto",
         verifier_quant: str = "none",
         draft_quant: str = "int8",
+        draft_vocab: int | None = None,
         dtype: str | None = None,
         threads: int | None = None,
         seed: int = 0,
@@ -128,6 +130,9 @@ class CactusSpecLM(TemplateLM):
             threads=threads,
             backend=lm_eval_args.choice("backend", backend, BACKENDS),
             draft_quant=lm_eval_args.choice("draft_quant", draft_quant, QUANTS),
+            draft_vocab=None
+            if draft_vocab is None
+            else lm_eval_args.integer("draft_vocab", draft_vocab, 1),
             verifier_quant=lm_eval_args.choice("verifier_quant", verifier_quant, QUANTS),
             max_batch=max_batch,
         )

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 from cactus_spec.backends.quant import check_quant, quantize
 from cactus_spec.core.checks import check_int
 from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.head_vocab import head_tokens, restrict_head
 from cactus_spec.loading.model_store import (
     FETCH_HINT,
     ModelNotFoundError,
@@ -73,6 +74,7 @@ class LoadedModel:
     sha256: str | None  # of the GGUF file, when loaded from one
     quant: str = "none"  # weight format of the linear layers: none, int8 or int4
     eos_ids: frozenset[int] = frozenset()  # ids that end generation
+    head_tokens: torch.Tensor | None = None  # [N] the ids a truncated LM head keeps, in order
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +173,7 @@ def load_model(
     device: str | torch.device = "cpu",
     threads: int | None = None,
     quant: str = "none",
+    head_vocab: int | None = None,
 ) -> LoadedModel:
     """Load a model from a model object, a known name (``cactus-spec models fetch``), a local
     directory, a `.gguf` file or a hub id.
@@ -179,7 +182,9 @@ def load_model(
     a damaged file raises CorruptModelError. A model object keeps its own dtype unless
     `dtype` is given. ``quant="int8"`` or ``"int4"`` turns the linear layers into quantised
     ones (``backends.quant``; the model then runs in float32 or bfloat16 around them, and a
-    model object is changed in place).
+    model object is changed in place). ``head_vocab=N`` keeps the N most frequent tokens in
+    the LM head (``head_vocab``: a cheaper draft; ``head_tokens`` lists the ids its logits
+    stand for).
     """
     device = check_device(device)
     if threads is not None:
@@ -198,11 +203,24 @@ def load_model(
             f"got {type(source).__name__}"
         )
     model = model.to(device).eval()
+    head = None if head_vocab is None else _truncate_head(model, tokenizer, head_vocab)
     if quant != "none":
         if device.type != "cpu":
             raise ValueError(f"quant {quant} runs on the CPU only, not on {device}")
         model = quantize(model, quant)
-    return LoadedModel(model, tokenizer, identity, sha, quant, _eos_ids(model, tokenizer))
+    eos = _eos_ids(model, tokenizer)
+    return LoadedModel(model, tokenizer, identity, sha, quant, eos, head)
+
+
+def _truncate_head(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, size: int
+) -> torch.Tensor:
+    """Keep the ``size`` most frequent tokens in the LM head (``head_vocab``); the ids kept."""
+    if tokenizer is None:
+        raise ValueError("draft_vocab needs the model's tokenizer to rank its tokens")
+    ids = head_tokens(tokenizer, size, _config_vocab_size(model))
+    restrict_head(model, ids)
+    return ids
 
 
 def check_threads(threads: object) -> int:
@@ -282,9 +300,10 @@ def as_loaded(
     device: str = "cpu",
     threads: int | None = None,
     quant: str = "none",
+    head_vocab: int | None = None,
 ) -> LoadedModel:
-    """``source`` loaded (TypeError naming ``name`` for anything else); ``quant`` applies only
-    to what is loaded here, never to a model object the caller owns."""
+    """``source`` loaded (TypeError naming ``name`` for anything else); ``quant`` and
+    ``head_vocab`` apply only to what is loaded here, never to a model the caller owns."""
     if isinstance(source, LoadedModel):
         return source
     if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
@@ -293,5 +312,7 @@ def as_loaded(
             f"got {type(source).__name__}"
         )
     if isinstance(source, PreTrainedModel):
-        quant = "none"
-    return load_model(source, dtype=dtype, device=device, threads=threads, quant=quant)
+        quant, head_vocab = "none", None
+    return load_model(
+        source, dtype=dtype, device=device, threads=threads, quant=quant, head_vocab=head_vocab
+    )

@@ -85,12 +85,14 @@ class ModelDrafter:
     nothing; a new prompt keeps the prefix it shares with the row's last sequence (prefix
     caching, ``start``). Every draft step is one forward
     over all rows still drafting; each row draws from its own generator, in the same order
-    as alone.
+    as alone. ``head``: the ids a truncated LM head keeps (``loading.head_vocab``); the
+    draft then proposes only those.
     """
 
-    def __init__(self, backend: Backend, vocab_size: int) -> None:
+    def __init__(self, backend: Backend, vocab_size: int, head: Tensor | None = None) -> None:
         self.backend = backend
         self.vocab_size = vocab_size
+        self.head = head  # [N] the ids a truncated head's logits stand for; None: all
         self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
         self._seen: dict[int, int] = {}  # row -> context tokens its cache has read
 
@@ -124,7 +126,7 @@ class ModelDrafter:
             logits = self.backend.append_ragged(feeds, rows_fed, last_only=True)
             for i, row_logits in zip(active, logits, strict=True):
                 r = requests[i]
-                probs = r.probs(row_logits[-1:, : self.vocab_size], tokens[i])  # [1, V]
+                probs = r.probs(self._full_row(row_logits[-1:]), tokens[i])  # [1, V]
                 token = draw(probs, r.sampling.greedy, r.generator)
                 rows[i].append(probs)
                 tokens[i].append(token)
@@ -137,6 +139,14 @@ class ModelDrafter:
                 self._cached[request.row] = list(request.context) + drafted[:-1]
             drafts.append(Draft(drafted, torch.cat(probs) if probs else None))
         return drafts
+
+    def _full_row(self, logits: Tensor) -> Tensor:
+        """Logits [1, V] over the whole vocabulary: a truncated head's [1, N] placed at its
+        ids, -inf elsewhere (p is 0 there)."""
+        if self.head is None:
+            return logits[:, : self.vocab_size]
+        row = logits.new_full((1, self.vocab_size), float("-inf"))  # [1, V]
+        return row.index_copy_(1, self.head, logits)
 
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Roll the row's cache back to what it shares with the context; the tokens to feed."""

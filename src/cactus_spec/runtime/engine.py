@@ -70,6 +70,9 @@ class SpeculativeDecoder:
     ``verifier_quant`` ("none", "int8", "int4") apply
     to models this constructor loads from a name or path: the draft is int8 by default (the
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
+    ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
+    (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
+    to a draft loaded here, like ``draft_quant``.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class SpeculativeDecoder:
         threads: int | None = None,
         backend: str = "auto",
         draft_quant: str = "int8",
+        draft_vocab: int | None = None,
         verifier_quant: str = "none",
         max_batch: int = 1,
         prefix_cache: bool = True,
@@ -105,7 +109,8 @@ class SpeculativeDecoder:
         self.vocab_size = self._backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
-        self._drafter = self._make_drafter(draft, {**load, "quant": draft_quant}, backend)
+        drafts = {**load, "quant": draft_quant, "head_vocab": draft_vocab}
+        self._drafter = self._make_drafter(draft, drafts, backend)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
         self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
@@ -117,7 +122,8 @@ class SpeculativeDecoder:
             return NGramDrafter()
         loaded = as_loaded("draft", draft, **load)
         self.vocab_size = check_same_vocabulary(self.verifier, loaded)
-        return ModelDrafter(make_backend(loaded, backend, self.max_batch), self.vocab_size)
+        draft_backend = make_backend(loaded, backend, self.max_batch)
+        return ModelDrafter(draft_backend, self.vocab_size, loaded.head_tokens)
 
     # --- what callers read ----------------------------------------------------------------
 
