@@ -3,12 +3,13 @@ after a context of cached tokens (200, or --context; 0 times a prefill), median 
 over repetitions, configurations alternating.
 
     python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
-        --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn
+        --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn,int8:native@32768
 
 A configuration is a quantisation (none, int8, int4) and the kernel: ``native``
 (cactus_spec.backends.native: int8 on AMX tiles where the CPU has them, bfloat16 on AMX
 for none), ``vnni`` (the native int8 kernel without AMX, CACTUS_SPEC_AMX=0) or torch's
-fallback (``fbgemm`` for int8, ``onednn`` for bfloat16). Each configuration
+fallback (``fbgemm`` for int8, ``onednn`` for bfloat16); ``@N`` keeps only the N most
+frequent tokens in the LM head (``loading.head_vocab``, a truncated draft head). Each configuration
 loads its own copy of the model; the rounds run every configuration once per repetition,
 so drifts of a shared machine fall on all of them alike.
 """
@@ -32,7 +33,7 @@ CONTEXT = 200
 
 def environment(config: str) -> dict[str, str]:
     """The switches a configuration's kernel needs while it loads and runs."""
-    kernel = config.partition(":")[2]
+    kernel = config.partition("@")[0].partition(":")[2]
     return {
         "CACTUS_SPEC_NATIVE": "0" if kernel in ("fbgemm", "onednn") else "1",
         "CACTUS_SPEC_AMX": "0" if kernel == "vnni" else "1",
@@ -58,8 +59,12 @@ def switched(config: str):
 
 
 def load(model: str, config: str) -> LeanModel:
+    weights, _, head = config.partition("@")
     with switched(config):
-        return LeanModel(load_model(model, quant=config.partition(":")[0]).model)
+        quant = weights.partition(":")[0]
+        return LeanModel(
+            load_model(model, quant=quant, head_vocab=int(head) if head else None).model
+        )
 
 
 def forward_ms(lean: LeanModel, config: str, tokens: int, context: int) -> float:

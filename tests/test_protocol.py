@@ -29,6 +29,8 @@ def test_a_request_picks_its_method_parameters_and_k() -> None:
     auto = speculative_spec({"method": "sps"}, BASE)
     assert auto.rule == SpS() and auto.num_draft_tokens is None  # the policy picks K
     assert speculative_spec({"method": "ar"}, BASE).rule is None
+    block = speculative_spec({"method": "cactus", "verification": "block"}, BASE)
+    assert block.verification == "block"
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,8 @@ def test_a_request_picks_its_method_parameters_and_k() -> None:
         ({"method": "sps", "delta": 1.0}, "speculative", "delta does not apply to method sps"),
         ({"delta": 0.5}, "speculative", "method is required"),
         ({"method": "nope"}, "speculative", "method must be one of"),
+        ({"method": "tas", "verification": "block"}, "speculative", "verification block takes"),
+        ({"verification": "tree"}, "speculative", "verification must be one of chain, block"),
     ],
 )
 def test_a_bad_speculative_object_is_a_400_naming_its_key(options, param, words) -> None:
