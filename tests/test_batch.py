@@ -207,3 +207,41 @@ def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
 
 def generation(d: SpeculativeDecoder, prompt: list[int], spec) -> Generation:
     return d.new_generation(Request(prompt, 50, SamplingConfig(), 0, spec), 0)
+
+
+def _taught(policy: SpeculationPolicy, confidence: float, kept_share: float) -> None:
+    """Show the policy 100 verified drafts at ``confidence``, ``kept_share`` of them kept."""
+    kept = round(100 * kept_share)
+    timing = StepTiming(1, 100, 0.2, 101, 0.05, kept + 1, 0, ((confidence,) * 100,), (kept,))
+    policy.observe(timing)
+
+
+def test_a_single_stream_stops_drafting_where_the_drafts_confidence_says_it_would_not_pay() -> None:
+    policy = policy_with(0.010, {1: 0.050, 2: 0.050, 16: 0.060})  # drafts dear, blocks cheap
+    _taught(policy, 0.995, 0.99)  # confident drafts are kept
+    policy.bin_reached[0] += 100  # unsure drafts (p < 0.2) are rejected
+    assert policy.accept_chance(0.995) > 0.95 and policy.accept_chance(0.05) < 0.1
+    assert policy.keep_drafting([0.995] * 5)
+    assert not policy.keep_drafting([0.995, 0.05])  # the chain is unlikely to survive
+    # negative control: a free draft step verified at no extra cost always pays for one more
+    free = policy_with(0.0, {1: 0.050, 16: 0.050})
+    assert free.keep_drafting([0.995, 0.05])
+
+
+def test_the_stepper_drafts_no_further_than_the_stopping_rule_allows() -> None:
+    d = decoder(1)
+    g = generation(d, [1, 2, 3], spec_of(SpS(), 6))
+    timing = d._stepper.step([g], [6], [lambda confidences: len(confidences) < 2])
+    assert timing.draft_steps == 2 and len(timing.confidences[0]) == 2
+    assert all(0 < c <= 1 for c in timing.confidences[0])
+    assert timing.kept[0] == g.stats.accepted
+
+
+def test_generate_with_k_left_open_keeps_the_verifiers_greedy_tokens() -> None:
+    target = make_tiny_lm(seed=3)
+    open_k = SpeculativeDecoder(target, noisy_copy(target, 0.5, 1), spec_of(SpS(), None))
+    open_k._policy = policy_with(0.0001, {1: 0.050, 16: 0.050})  # drafting pays (no timing)
+    ar = SpeculativeDecoder(target, spec=AR)
+    prompt = [5, 17, 3, 99, 42]
+    assert open_k.generate(prompt, 30, 0.0).token_ids == ar.generate(prompt, 30, 0.0).token_ids
+    assert sum(open_k._policy.bin_reached) > 0  # it drafted, and learned from the outcomes

@@ -175,3 +175,14 @@ def test_llamacpp_methods_take_their_own_parameters_only() -> None:
     assert all(c.verifier == "none" for c in grid)  # the GGUF's own weights, whatever the default
     with pytest.raises(ValueError, match="drafts nothing"):
         expand([parse_entry("llamacpp_lookup:num_draft_tokens=4")])
+
+
+def test_k_auto_leaves_the_draft_length_to_the_policy() -> None:
+    (config,) = expand([parse_entry("sps:num_draft_tokens=auto")], [6])
+    assert config.id == "sps/Kauto/model" and config.label == "sps Kauto"
+    assert config.spec.num_draft_tokens is None and config.spec.drafts
+    assert Config.from_dict(config.as_dict()) == config
+    with pytest.raises(ValueError, match="peer: num_draft_tokens auto does not apply"):
+        expand([parse_entry("hf_assisted:num_draft_tokens=auto")], [6])
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer"):
+        expand([parse_entry("sps:num_draft_tokens=often")], [6])

@@ -19,10 +19,11 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
 ``drafter`` or ``verification`` (``chain`` or ``block``: ``sps:verification=chain,block``),
-overriding the defaults for that entry, or ``verifier`` (the verifier's
-weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for every method but
-llama.cpp's, which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares
-both in one run.
+overriding the defaults for that entry (K ``auto`` leaves the draft length to the engine's
+policy: per iteration, and stopped inside it by the draft's confidence), or ``verifier``
+(the verifier's weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for
+every method but llama.cpp's, which runs the GGUF itself:
+``cactus:delta=1:verifier=none,int8`` compares both in one run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ PEERS: dict[str, dict[str, int]] = {
 }
 #: Every method a grid may name: the engine's, then the peers.
 NAMES = (*METHODS, *PEERS)
+#: The K that leaves the draft length to the policy (per iteration, and inside it).
+AUTO_K = "auto"
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
 _DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification")
@@ -62,7 +65,7 @@ class Config:
 
     method: str
     params: tuple[tuple[str, object], ...] = ()
-    num_draft_tokens: int = 0  # 0 for a method that drafts nothing
+    num_draft_tokens: int | None = 0  # 0: drafts nothing; None: K left to the policy ("auto")
     drafter: str | None = None  # None for a method that drafts nothing
     verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
     verification: str = "chain"  # how the engine judges a chain (core.spec.VERIFICATIONS)
@@ -85,7 +88,8 @@ class Config:
         if self.drafts:
             values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
             values |= {"verification": self.verification}
-        return parse_spec(values)
+        spec = parse_spec(values)
+        return spec if self.num_draft_tokens is not None else spec.with_num_draft_tokens(None)
 
     @property
     def id(self) -> str:
@@ -93,7 +97,7 @@ class Config:
         for block verification, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
-        head = f"{head}/K{self.num_draft_tokens}/{self.drafter}" if self.drafts else head
+        head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
         head = f"{head}/block" if self.verification == "block" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
@@ -107,7 +111,7 @@ class Config:
             else:
                 words.append(f"{'d' if name == 'delta' else name}={_format(value)}")
         if self.drafts:
-            words.append(f"K{self.num_draft_tokens}")
+            words.append(f"K{_k_text(self.num_draft_tokens)}")
             words += ["ngram"] if self.drafter == "ngram" else []
             words += ["block"] if self.verification == "block" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
@@ -136,6 +140,10 @@ class Config:
             data["verifier"],
             data.get("verification", "chain"),  # runs recorded before block verification
         )
+
+
+def _k_text(k: int | None) -> str:
+    return "auto" if k is None else str(k)
 
 
 def _format(value: object) -> str:
@@ -167,6 +175,10 @@ def make_config(
     if verifier not in QUANTS:
         raise ValueError(f"{method}: verifier must be one of {', '.join(QUANTS)}, got {verifier!r}")
     verifier = "none" if method in LLAMACPP_METHODS else verifier  # it runs the GGUF
+    auto = isinstance(k, str) and k.strip() == AUTO_K
+    if auto and method not in METHODS:
+        raise ValueError(f"{method} is a peer: num_draft_tokens {AUTO_K} does not apply")
+    k = None if auto else k
     draft = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
     if verification is not None and method not in METHODS:
         raise ValueError(f"{method} is a peer: verification does not apply")
@@ -185,7 +197,7 @@ def make_config(
     return Config(
         method,
         tuple(sorted(values.items())),
-        spec.num_draft_tokens,
+        None if auto else spec.num_draft_tokens,
         spec.drafter,
         verifier,
         spec.verification if method in METHODS else "chain",

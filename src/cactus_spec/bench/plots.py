@@ -132,7 +132,8 @@ def _line_label(config: dict) -> str:
     """ "cactus exact K6", "cactus closed form K4 ngram"."""
     form = "exact" if config["params"]["exact"] else "closed form"
     ngram = " ngram" if config["drafter"] == "ngram" else ""
-    return f"cactus {form} K{config['num_draft_tokens']}{ngram}"
+    k = config["num_draft_tokens"]
+    return f"cactus {form} K{'auto' if k is None else k}{ngram}"
 
 
 def _cactus_lines(cactus: Sequence[dict]) -> list[list[dict]]:

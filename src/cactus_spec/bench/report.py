@@ -31,9 +31,10 @@ def _params(config: dict) -> str:
 
 
 def _k(config: dict) -> str:
-    if not config["num_draft_tokens"]:
+    if config["drafter"] is None:
         return DASH
-    return f"{config['num_draft_tokens']} ({config['drafter']})"
+    k = config["num_draft_tokens"]
+    return f"{'auto' if k is None else k} ({config['drafter']})"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -139,7 +140,7 @@ def claim_table(summary: dict) -> list[str]:
         [
             labels[x["id"]],
             f"{x['gain_over_sps']:.2f}x",
-            f"{x['ceiling']:.2f}x",
+            DASH if x["ceiling"] is None else f"{x['ceiling']:.2f}x",
             f"{x['accuracy']:.3f}",
             f"[{x['verifier_interval'][0]:.3f}, {x['verifier_interval'][1]:.3f}]",
             "yes" if x["inside"] else "no",

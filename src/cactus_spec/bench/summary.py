@@ -203,12 +203,13 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
         if not (compared and measured) or base is None or c["verifier"] != ar["verifier"]:
             continue
         gain = c["mean_accepted"] / base["mean_accepted"]
+        k = c["num_draft_tokens"]  # None: the policy's (no fixed ceiling)
         inside = ar["accuracy"][1] <= c["accuracy"][0] <= ar["accuracy"][2]
         found.append(
             {
                 "id": c["id"],
                 "gain_over_sps": gain,
-                "ceiling": c["num_draft_tokens"] / base["mean_accepted"],
+                "ceiling": None if k is None else k / base["mean_accepted"],
                 "accuracy": c["accuracy"][0],
                 "verifier_interval": ar["accuracy"][1:],
                 "inside": inside,

@@ -33,7 +33,9 @@ class Draft:
 class DraftRequest:
     """One row's ask: up to ``num_draft_tokens`` tokens after ``context``, drawn with
     ``generator`` from ``process(logits [1, V], drafts so far)`` (the row's penalties and
-    sampling; default: ``sampling`` alone)."""
+    sampling; default: ``sampling`` alone). ``keep_drafting(confidences)``, given the draft's
+    probability of each token it drew so far, says whether to draw another (default:
+    always, up to ``num_draft_tokens``)."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
@@ -41,6 +43,7 @@ class DraftRequest:
     sampling: SamplingConfig
     generator: torch.Generator
     process: Callable[[Tensor, Sequence[int]], Tensor] | None = None
+    keep_drafting: Callable[[Sequence[float]], bool] | None = None
 
     def probs(self, logits: Tensor, drafted: Sequence[int]) -> Tensor:
         """p [1, V] of the next draft after ``drafted``."""
@@ -119,6 +122,7 @@ class ModelDrafter:
         pending = [self._catch_up(r) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
+        confidences: list[list[float]] = [[] for _ in requests]
         active = [i for i, r in enumerate(requests) if r.num_draft_tokens > 0]
         while active:
             feeds = [pending[i] for i in active]
@@ -130,8 +134,9 @@ class ModelDrafter:
                 token = draw(probs, r.sampling.greedy, r.generator)
                 rows[i].append(probs)
                 tokens[i].append(token)
+                confidences[i].append(float(probs[0, token]))
                 pending[i] = [token]
-            active = [i for i in active if len(tokens[i]) < requests[i].num_draft_tokens]
+            active = [i for i in active if _drafts_more(requests[i], confidences[i])]
         drafts = []
         for request, drafted, probs in zip(requests, tokens, rows, strict=True):
             self._seen[request.row] = len(request.context)
@@ -155,6 +160,13 @@ class ModelDrafter:
         self.backend.rollback(keep, request.row)  # always feed at least one token
         self._cached[request.row] = list(request.context[:keep])
         return list(request.context[keep:])
+
+
+def _drafts_more(request: DraftRequest, confidences: list[float]) -> bool:
+    """Whether the row draws another draft: below its K, and its stopping rule agrees."""
+    if len(confidences) >= request.num_draft_tokens:
+        return False
+    return request.keep_drafting is None or request.keep_drafting(confidences)
 
 
 class NGramDrafter:

@@ -114,6 +114,7 @@ class SpeculativeDecoder:
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
         self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self._policy: SpeculationPolicy | None = None  # generate's, once K is left open
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
         if not self.spec.drafts:
@@ -239,7 +240,10 @@ class SpeculativeDecoder:
         grammar: Grammar | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt`` by ``spec`` (default:
-        the engine's; K None drafts ``max_draft_tokens``).
+        the engine's). A spec with K None leaves the draft length to a policy timed on this
+        engine's models once (``policy``): K up to ``max_draft_tokens`` per iteration, and
+        drafting stops inside it where the draft's own confidence says another draft would
+        not pay (``SpeculationPolicy.keep_drafting``).
 
         Stops at EOS (kept in ``token_ids``), at a stop string (the text is cut before it;
         ``token_ids`` end with the token that completed it), or at the budget. Ctrl-C returns
@@ -265,15 +269,36 @@ class SpeculativeDecoder:
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
             request.penalties = penalties
+        policy = self._single_stream_policy() if _adaptive_k(spec) else None
         generation = self.new_generation(request, row=0)
-        k = self.draft_tokens(spec)
         try:
             self._stepper.prefill([generation])
             while not generation.done:
-                self._stepper.step([generation], [k])
+                self._iterate(generation, spec, policy)
         except KeyboardInterrupt:
             return generation.finish(interrupted=True)
+        if policy is not None:
+            policy.learn_acceptance(generation)
         return generation.finish()
+
+    def _iterate(
+        self, generation: Generation, spec: DecodeSpec, policy: SpeculationPolicy | None
+    ) -> None:
+        """One iteration of a single stream: K from the policy (and its stopping rule) when
+        it has one, else the spec's."""
+        if policy is None:
+            self._stepper.step([generation], [self.draft_tokens(spec)])
+            return
+        (k,) = policy.choose([generation], self.behind([generation]))
+        timing = self._stepper.step([generation], [k], [policy.keep_drafting])
+        policy.observe(timing)
+
+    def _single_stream_policy(self) -> SpeculationPolicy:
+        """The policy of ``generate`` calls that leave K open: calibrated once, then kept (it
+        learns this engine's acceptance as it goes)."""
+        if self._policy is None:
+            self._policy = self.calibrated_policy()
+        return self._policy
 
     def decode_many(
         self,
@@ -403,6 +428,11 @@ def _ends(eos_ids: frozenset[int], request: Request) -> frozenset[int]:
     """The tokens that end ``request``'s generation: EOS (unless it ignores EOS) and its
     stop tokens."""
     return (frozenset() if request.ignore_eos else eos_ids) | frozenset(request.stop_token_ids)
+
+
+def _adaptive_k(spec: DecodeSpec) -> bool:
+    """Whether ``spec`` drafts with K left to a policy."""
+    return spec.drafts and spec.num_draft_tokens is None
 
 
 def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:

@@ -22,6 +22,17 @@ decoding, nor one within its own error of it. At high concurrency, where a verif
 over B (K + 1) tokens costs much more than over B, it drafts less or not at all. The
 scheduler asks for the batch that is forming (rows still reading their prompts included),
 not only for the rows already decoding.
+
+A single stream (``engine.generate`` with K left open) also stops drafting inside an
+iteration (``keep_drafting``): after j drafts with acceptance chances a_1..a_j, read off the
+draft's own probability of each drafted token (acceptance rates by bins of that
+probability, learned from every verified draft and shrunk towards the pool's rate), the
+iteration promises E_j = 1 + S_1 + ... + S_j tokens (S_i = a_1 ... a_i) for
+T_j = j t_draft + t_verify(j + 1) seconds; one more draft adds about S_j a_j tokens (its
+chance taken as the last draft's: confidence runs in stretches) for
+t_draft + t_verify(j + 2) - t_verify(j + 1) seconds, and is drawn only when that rate beats
+E_j / T_j. The draft's probabilities come from the draft alone, so the
+stop never looks at the verifier: every rule keeps its law.
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ _CATCH_UP_FACTOR = 3.0
 _MARGIN = 0.05
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
+#: Upper edges of the bins of a draft's probability of its own token (the last bin ends at 1).
+_CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
 
 
 class CostTable:
@@ -102,6 +115,9 @@ class SpeculationPolicy:
         self.pool_accepted = 1.0
         self.pool_reached = 2.0
         self.catch_up_token_s = 0.0  # a model drafter reading one token it skipped
+        bins = len(_CONFIDENCE_EDGES) + 1
+        self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
+        self.bin_reached = [0.0] * bins  # drafts verified (every draft before them kept)
 
     def alpha(self, g: Generation) -> float:
         """The row's acceptance rate per position, shrunk towards the pool's."""
@@ -142,11 +158,40 @@ class SpeculationPolicy:
         best = max(range(len(rates)), key=rates.__getitem__)
         return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
+    def accept_chance(self, confidence: float) -> float:
+        """The chance a draft the draft model drew with probability ``confidence`` is
+        accepted: its bin's rate, shrunk towards the pool's."""
+        b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
+        pool = self._pool_rate()
+        return (self.bin_accepted[b] + _PRIOR_POSITIONS * pool) / (
+            self.bin_reached[b] + _PRIOR_POSITIONS
+        )
+
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """Whether a single stream that drafted tokens with these ``confidences`` should
+        draft one more (the module docstring's rule)."""
+        j = len(confidences)
+        survival, expected = 1.0, 1.0
+        for c in confidences:
+            survival *= self.accept_chance(c)
+            expected += survival
+        t_draft = self.draft.estimate(1)
+        cost = j * t_draft + self.verify.estimate(j + 1)
+        more = t_draft + self.verify.estimate(j + 2) - self.verify.estimate(j + 1)
+        nearest = self.accept_chance(confidences[-1]) if confidences else self._pool_rate()
+        gain = survival * nearest
+        return cost <= 0 or gain * cost >= expected * more
+
+    def _pool_rate(self) -> float:
+        return self.pool_accepted / self.pool_reached
+
     def observe(self, timing: StepTiming) -> None:
-        """Fold one iteration's measured costs into the tables. Draft steps that cost more
-        than ``_CATCH_UP_FACTOR`` times their estimate held the drafters' catch-up on the
-        tokens they had not read (a new prompt, what was emitted while K was 0): their time
-        beyond the estimate, per token caught up, is the catch-up's cost per token."""
+        """Fold one iteration's measured costs and its drafts' outcomes into the tables.
+        Draft steps that cost more than ``_CATCH_UP_FACTOR`` times their estimate held the
+        drafters' catch-up on the tokens they had not read (a new prompt, what was emitted
+        while K was 0): their time beyond the estimate, per token caught up, is the
+        catch-up's cost per token."""
+        self._learn_confidences(timing)
         self.verify.observe(timing.verified_tokens, timing.verify_s)
         if not timing.draft_steps:
             return
@@ -158,6 +203,14 @@ class SpeculationPolicy:
             excess = timing.draft_s - timing.draft_steps * expected
             per_token = excess / timing.caught_up
             self.catch_up_token_s += _EMA * (per_token - self.catch_up_token_s)
+
+    def _learn_confidences(self, timing: StepTiming) -> None:
+        """Count each verified draft (every one before it kept) in its confidence's bin."""
+        for confidences, kept in zip(timing.confidences, timing.kept, strict=True):
+            for position, confidence in enumerate(confidences[: kept + 1]):
+                b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
+                self.bin_reached[b] += 1
+                self.bin_accepted[b] += float(position < kept)
 
     def learn_acceptance(self, g: Generation) -> None:
         """Fold a finished generation's acceptance into the pool's rate."""

@@ -28,7 +28,7 @@ estimate of the sequence-level KL(P_method || P_verifier).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +44,18 @@ from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
 
+#: A row's stopping rule within an iteration: given the draft's probability of each token it
+#: drew so far, whether to draw another.
+Stopping = Callable[[Sequence[float]], bool]
+
 
 @dataclass(frozen=True)
 class StepTiming:
     """What one iteration cost: the draft steps over ``rows`` rows (their drafters first
     reading ``caught_up`` tokens of context they had not seen), and one verifier forward over
-    ``verified_tokens`` tokens in all."""
+    ``verified_tokens`` tokens in all; and what it kept: per row, the draft's probability of
+    each token it drafted (``confidences``; 1 for a deterministic drafter) and how many of
+    them were accepted (``kept``)."""
 
     rows: int
     draft_steps: int
@@ -58,6 +64,8 @@ class StepTiming:
     verify_s: float
     emitted: int
     caught_up: int = 0
+    confidences: tuple[tuple[float, ...], ...] = ()
+    kept: tuple[int, ...] = ()
 
 
 class Stepper:
@@ -135,11 +143,17 @@ class Stepper:
         return [self.drafter.behind(g.row, g.context) for g in generations]
 
     def step(
-        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+        self,
+        generations: Sequence[Generation],
+        num_draft_tokens: Sequence[int],
+        keep_drafting: Sequence[Stopping | None] | None = None,
     ) -> StepTiming:
         """One iteration for every generation, drafting up to ``num_draft_tokens[i]`` tokens
-        for the i-th."""
-        drafts, draft_steps, draft_s, caught_up = self._propose(generations, num_draft_tokens)
+        for the i-th, fewer where ``keep_drafting[i]`` stops it (``DraftRequest``)."""
+        stops = keep_drafting or [None] * len(generations)
+        drafts, draft_steps, draft_s, caught_up = self._propose(
+            generations, num_draft_tokens, stops
+        )
         feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
         kept = [self.verifier.length_of(g.row) for g in generations]
         start = time.perf_counter()
@@ -150,10 +164,11 @@ class Stepper:
             for g, d, row_logits in zip(generations, drafts, logits, strict=True)
         ]
         chosen = _tokens(generations, drafts, qs)
-        emitted = 0
+        emitted, accepted_counts = 0, []
         for g, draft, q, tokens, length in zip(generations, drafts, qs, chosen, kept, strict=True):
             g.stats.time_verify_s += verify_s
             accepted = len(tokens) - 1
+            accepted_counts.append(accepted)
             self.verifier.rollback(length + 1 + accepted, g.row)
             count = g.emit(tokens, q)
             emitted += count
@@ -161,18 +176,27 @@ class Stepper:
             if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
                 _meter(g, draft, q, min(count, len(draft.tokens)))
         verified = sum(len(f) for f in feeds)
+        confidences = tuple(_confidences(d) for d in drafts)
         return StepTiming(
-            len(generations), draft_steps, draft_s, verified, verify_s, emitted, caught_up
+            len(generations),
+            draft_steps,
+            draft_s,
+            verified,
+            verify_s,
+            emitted,
+            caught_up,
+            confidences,
+            tuple(accepted_counts),
         )
 
-    def _propose(self, generations, num_draft_tokens) -> tuple[list[Draft], int, float, int]:
+    def _propose(self, generations, num_draft_tokens, stops) -> tuple[list[Draft], int, float, int]:
         """Each generation's draft (empty where it drafts nothing), the number of draft
         steps, their wall time (added to the draft time of every row that drafted), and the
         context tokens the drafter read first."""
         counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
-            DraftRequest(g.row, g.context, k, g.sampling, g.generator, g.process)
-            for g, k in zip(generations, counts, strict=True)
+            DraftRequest(g.row, g.context, k, g.sampling, g.generator, g.process, stop)
+            for g, k, stop in zip(generations, counts, stops, strict=True)
             if k > 0
         ]
         if self.drafter is None or not asks:
@@ -186,11 +210,19 @@ class Stepper:
             if k > 0:
                 g.stats.time_draft_s += elapsed
             drafts.append(_admitted(g, next(proposed)) if k > 0 else Draft([], None))
-        return drafts, max(counts), elapsed, caught_up
+        return drafts, max(len(d.tokens) for d in drafts), elapsed, caught_up
 
     def _elapsed(self, start: float) -> float:
         self.verifier.synchronize()
         return time.perf_counter() - start
+
+
+def _confidences(draft: Draft) -> tuple[float, ...]:
+    """The draft's probability of each token it drafted (1 for a deterministic drafter)."""
+    if draft.probs is None:
+        return (1.0,) * len(draft.tokens)
+    ids = torch.tensor(draft.tokens, dtype=torch.long, device=draft.probs.device)  # [K]
+    return tuple(draft.probs.gather(-1, ids[:, None]).squeeze(-1).tolist())
 
 
 def _admitted(g: Generation, draft: Draft) -> Draft:
