@@ -52,8 +52,8 @@ def test_text_values_are_converted_only_when_asked():
         ({"method": "cactus", "exact": 1}, "exact must be true or false, got 1"),
         ({"method": "topk", "k": 2.5}, "k must be an integer, got 2.5"),
         ({"method": "cactus", "delta": float("nan")}, "delta must be a number"),
-        ({"num_draft_tokens": 0}, "num_draft_tokens must be an integer >= 1, got 0"),
-        ({"num_draft_tokens": True}, "num_draft_tokens must be an integer, got True"),
+        ({"num_draft_tokens": 0}, "num_draft_tokens must be an integer >= 1 or auto, got 0"),
+        ({"num_draft_tokens": True}, "num_draft_tokens must be an integer >= 1 or auto, got True"),
         ({"drafter": "eagle"}, f"drafter must be one of {', '.join(DRAFTERS)}, got 'eagle'"),
         ({"delta": 0.5}, "method is required with method parameters"),
         ({"temperature": 0.5}, "unknown key 'temperature'"),
@@ -108,3 +108,12 @@ def test_block_verification_is_kept_where_it_applies_and_chain_elsewhere():
     assert parse_spec({"method": "tas"}, base=block).verification == "chain"
     assert DecodeSpec.of("sps").verification == "chain"
     assert DecodeSpec.of("ar").verification is None
+
+
+def test_k_auto_leaves_the_draft_length_to_a_policy():
+    assert parse_spec({"method": "sps", "num_draft_tokens": "auto"}).num_draft_tokens is None
+    assert DecodeSpec.of("cactus", num_draft_tokens="auto").drafts
+    with pytest.raises(
+        ValueError, match="num_draft_tokens must be an integer >= 1 or auto, got 'often'"
+    ):
+        parse_spec({"num_draft_tokens": "often"})

@@ -48,6 +48,15 @@ def _method_flags() -> dict[str, list]:
     return flags
 
 
+def _k_value(text: str) -> int | str:
+    """--num-draft-tokens: an integer, or auto (a policy picks K); anything else is left for
+    the spec parser to refuse in one line."""
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
 def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
     """--method, its parameters, --num-draft-tokens, --drafter and --verification: the
     decoding spec."""
@@ -56,7 +65,7 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         default=DEFAULT_METHOD,
         help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()),
     )
-    p.add_argument("--num-draft-tokens", type=int, help=k_help)
+    p.add_argument("--num-draft-tokens", type=_k_value, help=k_help)
     p.add_argument("--drafter", choices=DRAFTERS, help="where drafts come from (default model)")
     p.add_argument(
         "--verification",
@@ -82,7 +91,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt")
-    _add_method_args(p, f"K, tokens drafted per iteration (default {DEFAULT_NUM_DRAFT_TOKENS})")
+    _add_method_args(
+        p,
+        f"K, tokens drafted per iteration (default {DEFAULT_NUM_DRAFT_TOKENS}), or auto: "
+        "chosen each iteration from measured costs and the draft's confidence",
+    )
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)

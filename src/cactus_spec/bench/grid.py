@@ -36,7 +36,7 @@ from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
-from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.core.spec import AUTO_K, DecodeSpec, parse_spec
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
@@ -50,8 +50,6 @@ PEERS: dict[str, dict[str, int]] = {
 }
 #: Every method a grid may name: the engine's, then the peers.
 NAMES = (*METHODS, *PEERS)
-#: The K that leaves the draft length to the policy (per iteration, and inside it).
-AUTO_K = "auto"
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
 _DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification")

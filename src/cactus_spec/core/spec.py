@@ -9,8 +9,9 @@ value is converted, checked and its error worded in one place:
   nothing: K and the drafter do not apply to it).
 - the method's parameters (``delta``, ``exact``, ...): the type of their registry default,
   in the rule's range.
-- ``num_draft_tokens`` (K): the tokens drafted per iteration, an integer >= 1, or None where
-  a serving policy picks K each iteration (``runtime.policy``).
+- ``num_draft_tokens`` (K): the tokens drafted per iteration, an integer >= 1, or None
+  (given as ``"auto"``) where a policy picks K each iteration and stops drafting inside it
+  when the draft is unsure (``runtime.policy``).
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
 - ``verification``: how a drafted chain is judged, one of ``VERIFICATIONS``: ``chain``, token
   by token (every rule), or ``block``, the chain as a whole (``core.block_verification``;
@@ -41,6 +42,8 @@ from cactus_spec.core.rules import Rule
 
 #: Where drafts come from: a small draft model, or n-gram lookup in the context.
 DRAFTERS = ("model", "ngram")
+#: The K that leaves the draft length to a policy (``DecodeSpec.num_draft_tokens`` None).
+AUTO_K = "auto"
 #: How a drafted chain is judged: token by token, or as a block (rules with a block target).
 VERIFICATIONS = ("chain", "block")
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
@@ -177,10 +180,17 @@ def _base_k(base: DecodeSpec) -> int | None:
     return base.num_draft_tokens if base.drafts else DEFAULT_NUM_DRAFT_TOKENS
 
 
-def _num_draft_tokens(value: object, text: bool, label: Callable[[str], str]) -> int:
-    k = _convert(label("num_draft_tokens"), value, 0, text)
+def _num_draft_tokens(value: object, text: bool, label: Callable[[str], str]) -> int | None:
+    if isinstance(value, str) and value.strip() == AUTO_K:
+        return None  # a policy picks K
+    try:
+        k = _convert(label("num_draft_tokens"), value, 0, text)
+    except ValueError:
+        k = 0
     if k < 1:
-        raise ValueError(f"{label('num_draft_tokens')} must be an integer >= 1, got {value!r}")
+        raise ValueError(
+            f"{label('num_draft_tokens')} must be an integer >= 1 or {AUTO_K}, got {value!r}"
+        )
     return k
 
 
