@@ -15,6 +15,7 @@ from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import VocabularyMismatchError
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.policy import SpeculationPolicy
 
 PROMPT = [5, 17, 3, 99, 42, 7, 17, 3]
 
@@ -186,15 +187,20 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
     return counts
 
 
-@pytest.mark.parametrize("verification", ["chain", "block"])
-def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification) -> None:
+@pytest.mark.parametrize(("verification", "k"), [("chain", 2), ("block", 2), ("chain", "auto")])
+def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification, k) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)  # overlaps the target, but differs
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
-    sps_spec = DecodeSpec.of("sps", num_draft_tokens=2, verification=verification)
-    sps = SpeculativeDecoder(target, draft, sps_spec)
+    sps_spec = DecodeSpec.of("sps", num_draft_tokens=k, verification=verification)
+    sps = SpeculativeDecoder(target, draft, sps_spec, max_draft_tokens=2)
+    if k == "auto":  # drafting pays and stops where the draft is unsure (no timing here)
+        sps._policy = SpeculationPolicy(2)
+        sps._policy.draft.observe(1, 0.01)
+        sps._policy.verify.observe(1, 0.05)
+        sps._policy.verify.observe(16, 0.05)
     cactus = SpeculativeDecoder(target, draft, spec_of(Cactus(5.0), 2))
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)
