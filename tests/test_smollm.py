@@ -102,7 +102,8 @@ def test_cli_generate_json(smollm: LoadedModel, capsys) -> None:
     assert payload["stats"]["kl_nats"] == 0
     assert isinstance(payload["text"], str)
     assert payload["spec"] == {
-        "method": "sps", "params": {}, "num_draft_tokens": 10, "drafter": "model"
+        "method": "sps", "params": {}, "num_draft_tokens": 10, "drafter": "model",
+        "verification": "chain",
     }  # fmt: skip
 
 
