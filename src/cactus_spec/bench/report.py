@@ -34,7 +34,8 @@ def _k(config: dict) -> str:
     if config["drafter"] is None:
         return DASH
     k = config["num_draft_tokens"]
-    return f"{'auto' if k is None else k} ({config['drafter']})"
+    block = ", block" if config.get("verification") == "block" else ""
+    return f"{'auto' if k is None else k} ({config['drafter']}{block})"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
