@@ -51,6 +51,21 @@ def test_block_verification_expands_and_marks_ids() -> None:
         expand([parse_entry("ar:verification=block")], [6])
 
 
+def test_another_draft_model_expands_and_marks_ids() -> None:
+    grid = expand([parse_entry("sps:draft=smollm2-135m"), parse_entry("sps")], [6])
+    assert ids(grid) == ["sps/K6/model=smollm2-135m", "sps/K6/model"]
+    assert grid[0].draft == "smollm2-135m" and grid[1].draft is None
+    assert grid[0].label == "sps K6 draft=smollm2-135m"
+    assert Config.from_dict(grid[0].as_dict()) == grid[0]
+    assert "draft" not in grid[1].as_dict()  # a run recorded before draft models keeps its id
+    with pytest.raises(ValueError, match="peer: draft does not apply"):
+        expand([parse_entry("hf_assisted:draft=smollm2-135m")], [6])
+    with pytest.raises(ValueError, match="draft applies to the model drafter, not ngram"):
+        expand([parse_entry("sps:drafter=ngram:draft=smollm2-135m")], [6])
+    with pytest.raises(ValueError, match="drafts nothing"):
+        expand([parse_entry("ar:draft=smollm2-135m")], [6])
+
+
 def test_entry_overrides_and_duplicates() -> None:
     grid = expand([parse_entry("sps:drafter=ngram:num_draft_tokens=3"), parse_entry("ar")] * 2)
     assert ids(grid) == ["sps/K3/ngram", "ar"]

@@ -236,6 +236,24 @@ def test_one_run_compares_verifier_formats(prompts: Path, models, tmp_path) -> N
         run_bench(config, items, target, draft, tmp_path / "other")
 
 
+def test_one_run_compares_draft_models(prompts: Path, models, tmp_path) -> None:
+    """A grid naming another draft runs it beside the run's draft, records both, and refuses
+    to run without it."""
+    target, draft = models  # the other draft: the verifier itself, which keeps every draft
+    other = load_model(make_tiny_lm(seed=0))
+    config = settings(prompts, grid=["sps", "sps:draft=other"])
+    items = load_items(config.task)
+    summary = run_bench(config, items, target, {None: draft, "other": other}, tmp_path / "o")
+    by_id = {c["id"]: c for c in summary["configs"]}
+    assert by_id["sps/K3/model=other"]["draft"] == "other"
+    assert by_id["sps/K3/model=other"]["n"] == by_id["sps/K3/model"]["n"] == 2
+    assert by_id["sps/K3/model=other"]["mean_accepted"] > by_id["sps/K3/model"]["mean_accepted"]
+    assert summary["run"]["models"]["other_drafts"]["other"] is not None
+    assert "| 3 (other) |" in (tmp_path / "o" / "summary.md").read_text()
+    with pytest.raises(ValueError, match="names draft models not given: other"):
+        run_bench(config, items, target, draft, tmp_path / "other")
+
+
 def test_a_resumed_run_drops_a_line_cut_short_by_a_crash(tmp_path, capsys) -> None:
     from cactus_spec.bench.store import RunDirectory
 

@@ -243,7 +243,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", help="verifier: known name, hub id, model dir or .gguf")
-    p.add_argument("--draft", help="draft model: known name, hub id, model dir or .gguf")
+    p.add_argument(
+        "--draft",
+        help="draft model: known name, hub id, model dir or .gguf (one with another tokenizer "
+        "drafts text the verifier's tokenizer encodes again)",
+    )
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")

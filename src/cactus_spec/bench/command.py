@@ -154,16 +154,18 @@ def main_bench(args: argparse.Namespace) -> int:
     check_writable_dir(out)
     verifier_source, draft_source = _sources(args, settings.needs_draft)
     verifiers = {quant: _load(verifier_source, args, quant) for quant in settings.verifiers}
-    draft = None
+    drafts: dict[str | None, LoadedModel] = {}
     if draft_source is not None:
         same = draft_source == verifier_source and args.draft_quant in verifiers
         same = same and args.draft_vocab is None
-        draft = (
+        drafts[None] = (
             verifiers[args.draft_quant]
             if same
             else _load(draft_source, args, args.draft_quant, args.draft_vocab)
         )
-    run_bench(settings, items, verifiers, draft, out, progress=not args.no_progress)
+    for name in settings.other_drafts:
+        drafts[name] = _load(name, args, args.draft_quant, args.draft_vocab)
+    run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")
     return 0

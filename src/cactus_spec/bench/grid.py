@@ -20,7 +20,9 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
 ``drafter`` or ``verification`` (``chain`` or ``block``: ``sps:verification=chain,block``),
 overriding the defaults for that entry (K ``auto`` leaves the draft length to the engine's
-policy: per iteration, and stopped inside it by the draft's confidence), or ``verifier``
+policy: per iteration, and stopped inside it by the draft's confidence), ``draft`` (a draft
+model other than the run's ``--draft``, by name or path, for the engine's methods: one with
+another tokenizer drafts across vocabularies, ``sps:draft=smollm2-135m``), or ``verifier``
 (the verifier's weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for
 every method but llama.cpp's, which runs the GGUF itself:
 ``cactus:delta=1:verifier=none,int8`` compares both in one run.
@@ -52,7 +54,7 @@ PEERS: dict[str, dict[str, int]] = {
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification")
+_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "draft")
 
 Entry = tuple[str, dict[str, list]]
 
@@ -67,6 +69,7 @@ class Config:
     drafter: str | None = None  # None for a method that drafts nothing
     verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
     verification: str = "chain"  # how the engine judges a chain (core.spec.VERIFICATIONS)
+    draft: str | None = None  # another draft model (name or path); None: the run's --draft
 
     @property
     def drafts(self) -> bool:
@@ -91,11 +94,13 @@ class Config:
 
     @property
     def id(self) -> str:
-        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``/block`` appended
-        for block verification, ``@int8`` for an int8 verifier)."""
+        """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
+        drafter for another draft model, ``/block`` appended for block verification, ``@int8``
+        for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
+        head = head if self.draft is None else f"{head}={self.draft}"
         head = f"{head}/block" if self.verification == "block" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
@@ -111,6 +116,7 @@ class Config:
         if self.drafts:
             words.append(f"K{_k_text(self.num_draft_tokens)}")
             words += ["ngram"] if self.drafter == "ngram" else []
+            words += [] if self.draft is None else [f"draft={Path(self.draft).name}"]
             words += ["block"] if self.verification == "block" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
@@ -125,6 +131,7 @@ class Config:
             "drafter": self.drafter,
             "verifier": self.verifier,
             "verification": self.verification,
+            **({"draft": self.draft} if self.draft is not None else {}),  # as recorded before
         }
 
     @classmethod
@@ -137,6 +144,7 @@ class Config:
             data["drafter"],
             data["verifier"],
             data.get("verification", "chain"),  # runs recorded before block verification
+            data.get("draft"),  # runs recorded before other draft models
         )
 
 
@@ -155,11 +163,12 @@ def make_config(
     drafter: object = None,
     verifier: str = "none",
     verification: object = None,
+    draft: object = None,
 ) -> Config:
     """A validated configuration; values may be text (the command line). An engine method's
     parameters, K, drafter and verification are read by ``core.spec.parse_spec``, a peer's K
-    and drafter by the same rules (a peer verifies its own way: verification is refused);
-    unknown methods, parameters or values raise ValueError."""
+    and drafter by the same rules (a peer verifies its own way: verification and draft are
+    refused); unknown methods, parameters or values raise ValueError."""
     if method not in NAMES:
         raise ValueError(f"method must be one of {', '.join(NAMES)}, got {method!r}")
     allowed = METHODS[method].defaults if method in METHODS else PEERS[method]
@@ -177,16 +186,17 @@ def make_config(
     if auto and method not in METHODS:
         raise ValueError(f"{method} is a peer: num_draft_tokens {AUTO_K} does not apply")
     k = None if auto else k
-    draft = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
+    drafting = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
     if verification is not None and method not in METHODS:
         raise ValueError(f"{method} is a peer: verification does not apply")
+    draft = _draft_model(method, draft, drafter)
     try:
         if method in METHODS:
             judged = {"verification": verification} if method not in NO_DRAFT else {}
-            spec = parse_spec({"method": method, **params, **draft, **judged}, text=True)
+            spec = parse_spec({"method": method, **params, **drafting, **judged}, text=True)
             values = dict(spec.params)
         else:
-            spec = parse_spec({"method": "sps", **draft}, text=True)  # a peer's K and drafter
+            spec = parse_spec({"method": "sps", **drafting}, text=True)  # a peer's K and drafter
             values = {name: _peer_int(name, params.get(name, d)) for name, d in allowed.items()}
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
@@ -199,7 +209,21 @@ def make_config(
         spec.drafter,
         verifier,
         spec.verification if method in METHODS else "chain",
+        draft,
     )
+
+
+def _draft_model(method: str, draft: object, drafter: object) -> str | None:
+    """A draft model named for an engine method that drafts with the model drafter."""
+    if draft is None:
+        return None
+    if method not in METHODS:
+        raise ValueError(f"{method} is a peer: draft does not apply (it drafts with --draft)")
+    if not isinstance(draft, str) or not draft.strip():
+        raise ValueError(f"{method}: draft must be a model name or path, got {draft!r}")
+    if drafter is not None and str(drafter).strip() != "model":
+        raise ValueError(f"{method}: draft applies to the model drafter, not {drafter}")
+    return draft.strip()
 
 
 def _peer_int(name: str, value: object) -> int:
@@ -217,30 +241,30 @@ def expand(
     drafters: Sequence[str] = ("model",),
     verifiers: Sequence[str] = ("none",),
     verifications: Sequence[str | None] = (None,),
+    drafts: Sequence[str | None] = (None,),
 ) -> tuple[Config, ...]:
     """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
     verifier formats of entries that name none (llama.cpp's always run the GGUF);
     ``verifications``: how the engine's drafting entries that name none judge chains
-    (None: chain)."""
+    (None: chain); ``drafts``: their draft models (None: the run's)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
         if method in NO_DRAFT and set(lists) & set(_DRAFT_KEYS):
-            raise ValueError(
-                f"{method} drafts nothing: num_draft_tokens, drafter and verification do not apply"
-            )
+            raise ValueError(f"{method} drafts nothing: {', '.join(_DRAFT_KEYS)} do not apply")
         if method in LLAMACPP_METHODS and "verifier" in lists:
             raise ValueError(f"{method} runs the verifier's GGUF itself: verifier does not apply")
         k_values = lists.get("num_draft_tokens", ks)
         drafter_values = lists.get("drafter", drafters)
         verifier_values = [_text(v) for v in lists.get("verifier", verifiers)]
         judged = lists.get("verification", verifications if method in METHODS else [None])
+        draft_values = lists.get("draft", drafts if method in METHODS else [None])
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
-        for combo in itertools.product(*axes, judged):
-            *values, k, drafter, verifier, verification = combo
+        for combo in itertools.product(*axes, judged, draft_values):
+            *values, k, drafter, verifier, verification, draft = combo
             params = dict(zip(names, values, strict=True))
-            config = make_config(method, params, k, drafter, verifier, verification)
+            config = make_config(method, params, k, drafter, verifier, verification, draft)
             configs.setdefault(config.id, config)
     if not configs:
         raise ValueError("the grid holds no configuration")
@@ -287,7 +311,10 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
     drafters = _listed(raw.get("drafter", ["model"]))
     verifiers = _listed(raw.get("verifier", ["none"]))
-    return expand(entries, ks, drafters, verifiers, _listed(raw.get("verification", [None])))
+    verifications = _listed(raw.get("verification", [None]))
+    return expand(
+        entries, ks, drafters, verifiers, verifications, _listed(raw.get("draft", [None]))
+    )
 
 
 def _read_structured(path: Path) -> dict:

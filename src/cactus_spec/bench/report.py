@@ -35,7 +35,8 @@ def _k(config: dict) -> str:
         return DASH
     k = config["num_draft_tokens"]
     block = ", block" if config.get("verification") == "block" else ""
-    return f"{'auto' if k is None else k} ({config['drafter']}{block})"
+    drafter = config["drafter"] if config.get("draft") is None else Path(config["draft"]).name
+    return f"{'auto' if k is None else k} ({drafter}{block})"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -60,6 +60,17 @@ Job = tuple[int, Item, Config]
 Verifiers = LoadedModel | Mapping[str, LoadedModel]
 
 
+#: The run's draft model (None: none), or ``{None: it, name: another draft the grid names}``.
+Drafts = LoadedModel | None | Mapping[str | None, LoadedModel]
+
+
+def as_drafts(drafts: Drafts) -> dict[str | None, LoadedModel]:
+    """``{Config.draft: model}``; a single model (or None) is the run's draft."""
+    if drafts is None or isinstance(drafts, LoadedModel):
+        return {} if drafts is None else {None: drafts}
+    return dict(drafts)
+
+
 def as_verifiers(verifiers: Verifiers) -> dict[str, LoadedModel]:
     """``{weight format: verifier}``; a single model stands for its own format."""
     if isinstance(verifiers, LoadedModel):
@@ -94,8 +105,13 @@ class BenchSettings:
 
     @property
     def needs_draft(self) -> bool:
-        """Whether some configuration drafts with the draft model."""
-        return any(c.drafts and c.drafter == "model" for c in self.grid)
+        """Whether some configuration drafts with the run's draft model."""
+        return any(c.drafts and c.drafter == "model" and c.draft is None for c in self.grid)
+
+    @property
+    def other_drafts(self) -> list[str]:
+        """The draft models the grid names besides the run's, in grid order."""
+        return list(dict.fromkeys(c.draft for c in self.grid if c.draft is not None))
 
     @property
     def verifiers(self) -> list[str]:
@@ -106,9 +122,10 @@ class BenchSettings:
         """The sampling seed of item ``index``, the same for every configuration."""
         return self.seed + index
 
-    def identity(self, verifiers: Verifiers, draft: LoadedModel | None) -> dict:
+    def identity(self, verifiers: Verifiers, drafts: Drafts) -> dict:
         """What results must share to be comparable (see ``store``)."""
         verifiers = as_verifiers(verifiers)
+        drafts = as_drafts(drafts)
         verifier = next(iter(verifiers.values()))
         model = verifier.model
         task = {"name": self.task.name, "n": self.task.n, "seed": self.task.seed}
@@ -116,6 +133,7 @@ class BenchSettings:
             data = Path(self.task.path).read_bytes()
             task |= {"path": self.task.path, "sha256": hashlib.sha256(data).hexdigest()}
         env = environment(model.device, model.dtype)
+        others = {name: model_identity(m) for name, m in drafts.items() if name is not None}
         return {
             "task": task,
             "grid": [c.id for c in self.grid],
@@ -125,8 +143,9 @@ class BenchSettings:
             "seed": self.seed,
             "models": {
                 "target": model_identity(verifier),
-                "draft": model_identity(draft),
+                "draft": model_identity(drafts.get(None)),
                 "verifiers": {quant: model_identity(m) for quant, m in verifiers.items()},
+                **({"other_drafts": others} if others else {}),  # absent: as recorded before
             },
             "setup": {
                 **{key: env[key] for key in ("device", "dtype", "threads")},
@@ -155,17 +174,21 @@ class Runner:
         self,
         settings: BenchSettings,
         verifiers: Verifiers,
-        draft: LoadedModel | None,
+        drafts: Drafts,
     ) -> None:
-        if settings.needs_draft and draft is None:
+        self.drafts = as_drafts(drafts)
+        if settings.needs_draft and None not in self.drafts:
             raise ValueError("the grid drafts with a draft model, but none was given")
+        missing = [name for name in settings.other_drafts if name not in self.drafts]
+        if missing:
+            raise ValueError(f"the grid names draft models not given: {', '.join(missing)}")
         self.settings = settings
         self.verifiers = as_verifiers(verifiers)
         missing = [quant for quant in settings.verifiers if quant not in self.verifiers]
         if missing:
             raise ValueError(f"the grid asks for a verifier in {', '.join(missing)} weights")
         self.verifier = next(iter(self.verifiers.values()))  # tokenizer, device, the GGUF
-        self.draft = draft
+        self.draft = self.drafts.get(None)  # the run's, which hf_assisted drafts with too
         self.decoders = {c.id: self._decoder(c) for c in settings.grid if c.engine}
         self.encoder = next(iter(self.decoders.values()), None) or SpeculativeDecoder(
             self.verifier, spec=DecodeSpec.of("ar")
@@ -177,7 +200,7 @@ class Runner:
         verifier = self.verifiers[config.verifier]
         options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
         spec = config.spec
-        draft = self.draft if spec.drafts and spec.drafter == "model" else None
+        draft = self.drafts[config.draft] if spec.drafts and spec.drafter == "model" else None
         return SpeculativeDecoder(verifier, draft, spec, **options)
 
     def _llamacpp(self) -> LlamaCppPeers | None:
@@ -354,18 +377,20 @@ def run_bench(
     settings: BenchSettings,
     items: Sequence[Item],
     verifiers: Verifiers,
-    draft: LoadedModel | None,
+    drafts: Drafts,
     out: str | Path,
     progress: bool = True,
 ) -> dict:
     """Run (or resume) a benchmark into ``out`` and write its summaries and plots.
 
     ``verifiers``: the verifier, or one per weight format the grid names (``{"none": bf16,
-    "int8": int8}``). Returns the summary (also in summary.json). Refuses an ``out`` holding
-    another run. Every prompt is encoded and checked first, so bad input writes nothing.
+    "int8": int8}``); ``drafts``: the run's draft model, or ``{None: it, name: model}`` with
+    every other draft the grid names. Returns the summary (also in summary.json). Refuses an
+    ``out`` holding another run. Every prompt is encoded and checked first, so bad input
+    writes nothing.
     """
-    identity = settings.identity(verifiers, draft)
-    runner = Runner(settings, verifiers, draft)
+    identity = settings.identity(verifiers, drafts)
+    runner = Runner(settings, verifiers, drafts)
     for item in items:
         runner.prompt_ids(item)
     store = RunDirectory(out, identity)

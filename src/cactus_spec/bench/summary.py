@@ -183,21 +183,21 @@ CLAIM_GAIN = 1.4
 
 def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
     """For each lossy method and each block-verified one on the dense verifier: its mean
-    accepted length over chain SpS's (same K and drafter), and whether its accuracy lies
-    inside the verifier's 95% Wilson interval;
+    accepted length over chain SpS's (same K, drafter and draft model), and whether its
+    accuracy lies inside the verifier's 95% Wilson interval;
     ``holds``: both at once (at least ``CLAIM_GAIN`` times SpS, and inside). ``ceiling``:
     the largest gain K drafts allow (K over SpS's mean accepted length)."""
     ar = next((c for c in configs if c["id"] == reference and c.get("accuracy")), None)
     if ar is None:
         return []
     sps = {
-        (c["num_draft_tokens"], c["drafter"], c["verifier"]): c
+        _drafting(c): c
         for c in configs
         if c["method"] == "sps" and _chain(c) and c.get("mean_accepted")
     }
     found = []
     for c in configs:
-        base = sps.get((c["num_draft_tokens"], c["drafter"], c["verifier"]))
+        base = sps.get(_drafting(c))
         compared = c["method"] not in ("ar", "sps") or not _chain(c)
         measured = c.get("mean_accepted") and c.get("accuracy")
         if not (compared and measured) or base is None or c["verifier"] != ar["verifier"]:
@@ -217,6 +217,12 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
             }
         )
     return found
+
+
+def _drafting(config: dict) -> tuple:
+    """What a configuration drafts with: K, the drafter, the draft model and the verifier."""
+    keys = ("num_draft_tokens", "drafter", "draft", "verifier")
+    return tuple(config.get(key) for key in keys)
 
 
 def _chain(config: dict) -> bool:

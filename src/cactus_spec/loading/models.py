@@ -44,6 +44,7 @@ __all__ = [
     "check_load_options",
     "check_threads",
     "check_same_vocabulary",
+    "tokenizers_differ",
     "load_model",
     "resolve_dtype",
 ]
@@ -259,6 +260,14 @@ def _config_vocab_size(model: PreTrainedModel) -> int:
     return model.config.get_text_config().vocab_size
 
 
+def tokenizers_differ(verifier: LoadedModel, draft: LoadedModel) -> bool:
+    """Whether both models come with tokenizers and these map tokens to ids differently
+    (the draft then drafts text: ``runtime.cross_vocab``)."""
+    if verifier.tokenizer is None or draft.tokenizer is None:
+        return False
+    return verifier.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
+
+
 def check_same_vocabulary(verifier: LoadedModel, draft: LoadedModel) -> int:
     """Return the shared vocabulary size V (slice logits to `[..., :V]`), or raise.
 
@@ -277,7 +286,7 @@ def check_same_vocabulary(verifier: LoadedModel, draft: LoadedModel) -> int:
     if sizes[0] != sizes[1]:
         raise VocabularyMismatchError(
             f"verifier and draft vocabularies differ: the verifier has {sizes[0]} tokens, "
-            f"draft has {sizes[1]}"
+            f"draft has {sizes[1]} (drafting across vocabularies needs both tokenizers)"
         )
     widths = (_config_vocab_size(verifier.model), _config_vocab_size(draft.model))
     if sizes[0] > min(widths):

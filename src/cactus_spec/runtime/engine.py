@@ -35,9 +35,15 @@ from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.divergence import Divergence, quant_divergence
-from cactus_spec.loading.models import ModelSource, as_loaded, check_same_vocabulary
+from cactus_spec.loading.models import (
+    ModelSource,
+    as_loaded,
+    check_same_vocabulary,
+    tokenizers_differ,
+)
 from cactus_spec.runtime import scoring
 from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.cross_vocab import CrossVocabDrafter
 from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
 from cactus_spec.runtime.generation import (
     Generation,
@@ -61,8 +67,10 @@ class SpeculativeDecoder:
     ``draft`` is the draft model, needed when the spec drafts with the ``model`` drafter and
     refused otherwise (``ar`` drafts nothing; ``ngram`` looks up the context). A request may
     bring its own spec (``generate``, ``decode_many``, the server's ``speculative``), with
-    this engine's drafter. ``max_draft_tokens`` bounds K for every row (the serving
-    policy's cap, and what ``check_context`` reserves for drafts); default: the spec's K.
+    this engine's drafter. A draft whose tokenizer differs from the verifier's drafts text
+    that is encoded again for the verifier (``cross_vocab``). ``max_draft_tokens`` bounds K
+    for every row (the serving policy's cap, and what ``check_context`` reserves for drafts);
+    default: the spec's K.
 
     ``backend`` picks the code that runs both models (``loading.backend.make_backend``:
     auto, lean or hf). ``prefix_cache`` lets a prompt reuse the keys and values of the longest
@@ -122,8 +130,11 @@ class SpeculativeDecoder:
         if self.spec.drafter == "ngram":
             return NGramDrafter()
         loaded = as_loaded("draft", draft, **load)
-        self.vocab_size = check_same_vocabulary(self.verifier, loaded)
         draft_backend = make_backend(loaded, backend, self.max_batch)
+        if tokenizers_differ(self.verifier, loaded):
+            drafter = ModelDrafter(draft_backend, len(loaded.tokenizer), loaded.head_tokens)
+            return CrossVocabDrafter(drafter, loaded.tokenizer, self.tokenizer)
+        self.vocab_size = check_same_vocabulary(self.verifier, loaded)
         return ModelDrafter(draft_backend, self.vocab_size, loaded.head_tokens)
 
     # --- what callers read ----------------------------------------------------------------
