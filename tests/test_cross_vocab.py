@@ -40,7 +40,7 @@ DRAFT_TOKENIZER = bpe_tokenizer(
 
 def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
     verifier = LoadedModel(make_tiny_lm(vocab_size=7, seed=6), VERIFIER_TOKENIZER, "v", None)
-    draft = LoadedModel(make_tiny_lm(vocab_size=6, seed=1), DRAFT_TOKENIZER, "d", None)
+    draft = LoadedModel(make_tiny_lm(vocab_size=6, seed=0), DRAFT_TOKENIZER, "d", None)
     return verifier, draft
 
 
@@ -68,7 +68,7 @@ def test_the_drafted_text_keeps_characters_split_across_tokens_and_drops_a_cut_o
 def test_joint_law_of_first_two_tokens_is_the_verifiers(verification: str) -> None:
     verifier, draft = tiny_pair()
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
-    prompt, runs = [0, 1, 2, 3, 4], 1200
+    prompt, runs = [4, 5, 6, 0], 1200
     law = exact_pair_law(verifier.model, prompt, sampling)
     sps = SpeculativeDecoder(
         verifier, draft, DecodeSpec.of("sps", num_draft_tokens=2, verification=verification)
@@ -77,7 +77,8 @@ def test_joint_law_of_first_two_tokens_is_the_verifiers(verification: str) -> No
     assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
     negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)
     assert negative < 1e-6  # negative control: the same test can fail
-    assert sps.generate(prompt, 40, 1.0, 3, seed=0).stats.accepted > 0  # it does draft
+    kept = sum(sps.generate(prompt, 2, 1.0, 3, seed=s).stats.accepted for s in range(100))
+    assert kept >= 10  # the first two positions do keep drafts
 
 
 def test_greedy_across_vocabularies_equals_the_verifiers_greedy() -> None:

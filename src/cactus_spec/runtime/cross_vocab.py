@@ -15,17 +15,23 @@ not read the verifier's draws. Cactus applies its rule to the one-hot p, so its 
 the proposal is h(n), and the meter reads KL(h(n) ‖ q), which bounds the divergence of the
 emitted law E_n h(n) by convexity.
 
-The draft samples with the request's temperature, top-k and top-p; the verifier's penalties,
-logit biases and grammar act on verifier ids only, so they shape the verification, and the
-engine cuts a proposal at the first token a grammar refuses.
+The draft proposes its most likely token at each step: a one-hot proposal n is kept with
+probability q_n, so the best proposal is the verifier's likeliest token, and the draft's mode
+is its guess of it (sampling n from p would keep sum_n p_n q_n on average). Its confidence
+(for ``keep_drafting``) is p of that token under the request's temperature, top-k and top-p.
+The verifier's penalties, logit biases and grammar act on verifier ids only, so they shape the
+verification, and the engine cuts a proposal at the first token a grammar refuses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.runtime.drafters import Draft, DraftRequest, ModelDrafter
 
 #: Draft tokens of the context decoded with the drafts, so that their text comes out as in
@@ -72,9 +78,10 @@ class CrossVocabDrafter:
                 r.row,
                 ids,
                 max(0, min(r.num_draft_tokens, room - len(ids))) if ids else 0,
-                r.sampling,
+                _MODE,
                 r.generator,
-                keep_drafting=r.keep_drafting,
+                partial(_probs, sampling=r.sampling),
+                r.keep_drafting,
             )
             for r, ids in zip(requests, contexts, strict=True)
         ]
@@ -102,6 +109,13 @@ class CrossVocabDrafter:
 
 
 _RAW = {"add_special_tokens": False}
+#: The draft's draws: its mode.
+_MODE = SamplingConfig(temperature=0.0)
+
+
+def _probs(logits: Tensor, drafted: Sequence[int], sampling: SamplingConfig) -> Tensor:
+    """The draft's p [1, V] under the request's sampling (its confidence in its mode)."""
+    return logits_to_probs(logits, sampling)
 
 
 def _text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
