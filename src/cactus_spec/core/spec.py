@@ -89,6 +89,11 @@ class DecodeSpec:
         """Whether anything is drafted (every method but ``ar``)."""
         return METHODS[self.method].drafts
 
+    @property
+    def auto_k(self) -> bool:
+        """Whether it drafts with K left to a policy (``num_draft_tokens`` None)."""
+        return self.drafts and self.num_draft_tokens is None
+
     @cached_property
     def rule(self) -> Rule | None:
         """The acceptance rule; None for ``ar``."""

@@ -280,7 +280,7 @@ class SpeculativeDecoder:
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
             request.penalties = penalties
-        policy = self._single_stream_policy() if _adaptive_k(spec) else None
+        policy = self._single_stream_policy() if spec.auto_k else None
         generation = self.new_generation(request, row=0)
         try:
             self._stepper.prefill([generation])
@@ -439,11 +439,6 @@ def _ends(eos_ids: frozenset[int], request: Request) -> frozenset[int]:
     """The tokens that end ``request``'s generation: EOS (unless it ignores EOS) and its
     stop tokens."""
     return (frozenset() if request.ignore_eos else eos_ids) | frozenset(request.stop_token_ids)
-
-
-def _adaptive_k(spec: DecodeSpec) -> bool:
-    """Whether ``spec`` drafts with K left to a policy."""
-    return spec.drafts and spec.num_draft_tokens is None
 
 
 def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:

@@ -131,11 +131,11 @@ class SpeculationPolicy:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
         the K that maximises expected tokens per second over the whole batch. ``behind[i]``:
         the tokens the drafter would read for generation i before drafting."""
-        auto = [i for i, g in enumerate(generations) if _adaptive(g)]
-        fixed = [_fixed_k(g) for g in generations if not _adaptive(g)]
+        auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
+        fixed = [_fixed_k(g) for g in generations if not g.spec.auto_k]
         lags = [behind[i] for i in auto]
         best = self._best_k([generations[i] for i in auto], lags, fixed) if auto else 0
-        return [best if _adaptive(g) else _fixed_k(g) for g in generations]
+        return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[int]) -> int:
         alphas = [self.alpha(g) for g in auto]
@@ -236,11 +236,6 @@ class SpeculationPolicy:
 
 def _least_of_three(work: Callable[[int], float], size: int) -> float:
     return min(work(size) for _ in range(3))
-
-
-def _adaptive(g: Generation) -> bool:
-    """Whether the generation leaves K to the policy."""
-    return g.spec.drafts and g.spec.num_draft_tokens is None
 
 
 def _fixed_k(g: Generation) -> int:

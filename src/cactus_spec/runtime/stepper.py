@@ -163,9 +163,11 @@ class Stepper:
             g.process(row_logits[:, : self.vocab_size], d.tokens)  # [K_b+1, V]
             for g, d, row_logits in zip(generations, drafts, logits, strict=True)
         ]
-        chosen = _tokens(generations, drafts, qs)
+        judged = [_judged_rows(g, d, q) for g, d, q in zip(generations, drafts, qs, strict=True)]
+        chosen = _tokens(generations, drafts, judged)
         emitted, accepted_counts = 0, []
-        for g, draft, q, tokens, length in zip(generations, drafts, qs, chosen, kept, strict=True):
+        rows = zip(generations, drafts, qs, judged, chosen, kept, strict=True)
+        for g, draft, q, targets, tokens, length in rows:
             g.stats.time_verify_s += verify_s
             accepted = len(tokens) - 1
             accepted_counts.append(accepted)
@@ -174,7 +176,7 @@ class Stepper:
             emitted += count
             g.stats.record(len(draft.tokens), accepted, count)
             if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
-                _meter(g, draft, q, min(count, len(draft.tokens)))
+                _meter(g, draft, q, targets, min(count, len(draft.tokens)))
         verified = sum(len(f) for f in feeds)
         confidences = tuple(_confidences(d) for d in drafts)
         return StepTiming(
@@ -236,24 +238,43 @@ def _admitted(g: Generation, draft: Draft) -> Draft:
     return Draft(draft.tokens[:count], None)
 
 
+def _block(g: Generation, draft: Draft) -> bool:
+    """Whether the row's drafts are block-verified (at temperature 0 every weight is 0 or 1:
+    token verification runs the same test)."""
+    return bool(draft.tokens) and g.spec.verification == "block" and not g.sampling.greedy
+
+
+def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
+    """The rows [K+1, V] the row's drafts are judged against: q, except on blocks under a lossy
+    rule, whose per-position targets replace q's drafted rows (the block emits them exactly,
+    and the meter reads their divergence)."""
+    if not _block(g, draft) or g.spec.lossless:
+        return q
+    k = len(draft.tokens)
+    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
+    p = None if draft.probs is None else draft.probs  # [K, V]
+    return torch.cat([g.spec.rule.block_target(q[:k], ids, p), q[k:]])  # [K+1, V]
+
+
 def _tokens(
-    generations: Sequence[Generation], drafts: Sequence[Draft], qs: Sequence[Tensor]
+    generations: Sequence[Generation], drafts: Sequence[Draft], judged: Sequence[Tensor]
 ) -> list[list[int]]:
-    """Each row's emitted tokens: one draw from q where nothing was drafted, else its kept
-    drafts and the token of its own, from ``verify`` on that row alone. (One call over rows
+    """Each row's emitted tokens: one draw from its last row where nothing was drafted, else
+    its kept drafts and the token of its own, from ``verify`` (or ``verify_block``, towards
+    the judged rows) on that row alone. (One call over rows
     stacked to [B, K+1, V] copies every row's q and p first: at B = 8, K = 10 and the
     default pair's 151,936 tokens that is ~100 MB a step, 34 ms against 3 ms for the loop,
     ``benchmarks/verify_rows.py``.)"""
     out = []
-    for g, draft, q in zip(generations, drafts, qs, strict=True):
+    for g, draft, q in zip(generations, drafts, judged, strict=True):
         if not draft.tokens:
             out.append([draw(q[-1:], g.sampling.greedy, g.generator)])
             continue
         ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
         p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
-        if g.spec.verification == "block" and not g.sampling.greedy:
-            result = verify_block(ids, q[None], p, g.generator, False, g.spec.rule)
-        else:  # chains, and greedy blocks (every weight 0 or 1: the same test)
+        if _block(g, draft):
+            result = verify_block(ids, q[None], p, g.generator, False)  # SpS towards q's rows
+        else:
             result = verify(
                 ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
             )
@@ -261,15 +282,15 @@ def _tokens(
     return out
 
 
-def _meter(g: Generation, draft: Draft, q: Tensor, positions: int) -> None:
+def _meter(g: Generation, draft: Draft, q: Tensor, judged: Tensor, positions: int) -> None:
     """Add KL(law || q) of the first ``positions`` drafted positions (those that emitted a
-    token) to the generation's divergence meter; q [K+1, V]."""
+    token) to the generation's divergence meter; q and the judged rows [K+1, V]."""
     start = time.perf_counter()
     ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
     p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
     q = q[:positions]  # [P, V]
-    if g.spec.verification == "block":  # the law is the rule's target itself
-        divergence = kl(g.spec.rule.block_target(q, ids, p), q)  # [P]
+    if _block(g, draft):  # the law is the judged row (the rule's target) itself
+        divergence = kl(judged[:positions], q)  # [P]
     else:
         divergence = step_divergences(p, q, g.spec.rule)  # [P]
     g.stats.kl_nats += float(divergence.sum())
