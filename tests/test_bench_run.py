@@ -249,7 +249,8 @@ def test_one_run_compares_draft_models(prompts: Path, models, tmp_path) -> None:
     assert by_id["sps/K3/model=other"]["n"] == by_id["sps/K3/model"]["n"] == 2
     assert by_id["sps/K3/model=other"]["mean_accepted"] > by_id["sps/K3/model"]["mean_accepted"]
     assert summary["run"]["models"]["other_drafts"]["other"] is not None
-    assert "| 3 (other) |" in (tmp_path / "o" / "summary.md").read_text()
+    text = (tmp_path / "o" / "summary.md").read_text()
+    assert "| 3 (other) |" in text and "- Draft `other`: `" in text
     with pytest.raises(ValueError, match="names draft models not given: other"):
         run_bench(config, items, target, draft, tmp_path / "other")
 

@@ -171,11 +171,12 @@ def _setting(summary: dict) -> list[str]:
     run, env = summary["run"], summary["environment"]
     models = run["models"]
     lines = [f"- Task: `{run['task']['name']}`, N = {summary['n_items']} items."]
-    for role in ("target", "draft"):
-        model = models.get(role)
+    named = [("Target", models.get("target")), ("Draft", models.get("draft"))]
+    named += [(f"Draft `{n}`", m) for n, m in models.get("other_drafts", {}).items()]
+    for role, model in named:
         if model:
             sha = f" (sha256 `{model['sha256']}`)" if model["sha256"] else ""
-            lines.append(f"- {role.capitalize()}: `{model['path']}`{sha}.")
+            lines.append(f"- {role}: `{model['path']}`{sha}.")
     s = run["sampling"]
     lines += [
         f"- Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}; "

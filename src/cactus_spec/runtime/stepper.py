@@ -252,8 +252,8 @@ def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
         return q
     k = len(draft.tokens)
     ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
-    p = None if draft.probs is None else draft.probs  # [K, V]
-    return torch.cat([g.spec.rule.block_target(q[:k], ids, p), q[k:]])  # [K+1, V]
+    targets = g.spec.rule.block_target(q[:k], ids, draft.probs)  # [K, V]; probs [K, V] or None
+    return torch.cat([targets, q[k:]])  # [K+1, V]
 
 
 def _tokens(
