@@ -66,9 +66,9 @@ Drafts = LoadedModel | None | Mapping[str | None, LoadedModel]
 
 def as_drafts(drafts: Drafts) -> dict[str | None, LoadedModel]:
     """``{Config.draft: model}``; a single model (or None) is the run's draft."""
-    if drafts is None or isinstance(drafts, LoadedModel):
-        return {} if drafts is None else {None: drafts}
-    return dict(drafts)
+    if drafts is None:
+        return {}
+    return {None: drafts} if isinstance(drafts, LoadedModel) else dict(drafts)
 
 
 def as_verifiers(verifiers: Verifiers) -> dict[str, LoadedModel]:
