@@ -51,6 +51,22 @@ def test_block_verification_expands_and_marks_ids() -> None:
         expand([parse_entry("ar:verification=block")], [6])
 
 
+def test_draft_trees_expand_with_their_widths_and_mark_ids() -> None:
+    grid = expand([parse_entry("sps:verification=chain,tree:branches=2,4")], [6])
+    assert ids(grid) == ["sps/K6/model", "sps/K6/model/tree2", "sps/K6/model/tree4"]
+    assert grid[2].spec.branches == 4 and grid[2].label == "sps K6 tree4"
+    assert Config.from_dict(grid[2].as_dict()) == grid[2]
+    assert "branches" not in grid[0].as_dict()  # chains record what they recorded before
+    default = expand([parse_entry("cactus:verification=tree")], [6])[0]
+    assert default.id.endswith("/tree2") and default.spec.branches == 2
+    with pytest.raises(ValueError, match="branches applies to verification tree only"):
+        expand([parse_entry("sps:verification=block:branches=2")], [6])
+    with pytest.raises(ValueError, match="peer: branches does not apply"):
+        make_config("hf_assisted", {}, branches=2)
+    with pytest.raises(ValueError, match="branches must be an integer >= 1"):
+        expand([parse_entry("sps:verification=tree:branches=0")], [6])
+
+
 def test_another_draft_model_expands_and_marks_ids() -> None:
     grid = expand([parse_entry("sps:draft=smollm2-135m"), parse_entry("sps")], [6])
     assert ids(grid) == ["sps/K6/model=smollm2-135m", "sps/K6/model"]

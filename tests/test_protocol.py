@@ -46,7 +46,8 @@ def test_a_request_picks_its_method_parameters_and_k() -> None:
         ({"delta": 0.5}, "speculative", "method is required"),
         ({"method": "nope"}, "speculative", "method must be one of"),
         ({"method": "tas", "verification": "block"}, "speculative", "verification block takes"),
-        ({"verification": "tree"}, "speculative", "verification must be one of chain, block"),
+        ({"verification": "trie"}, "speculative", "verification must be one of chain, block, tree"),
+        ({"verification": "tree"}, "speculative", "verification tree takes a fixed"),
     ],
 )
 def test_a_bad_speculative_object_is_a_400_naming_its_key(options, param, words) -> None:

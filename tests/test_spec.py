@@ -57,7 +57,13 @@ def test_text_values_are_converted_only_when_asked():
         ({"drafter": "eagle"}, f"drafter must be one of {', '.join(DRAFTERS)}, got 'eagle'"),
         ({"delta": 0.5}, "method is required with method parameters"),
         ({"temperature": 0.5}, "unknown key 'temperature'"),
-        ({"verification": "tree"}, "verification must be one of chain, block, got 'tree'"),
+        ({"verification": "trie"}, "verification must be one of chain, block, tree, got 'trie'"),
+        ({"branches": 2}, "branches applies to verification tree only"),
+        ({"verification": "tree", "branches": 0}, "branches must be an integer >= 1, got 0"),
+        (
+            {"verification": "tree", "num_draft_tokens": "auto"},
+            "verification tree takes a fixed num_draft_tokens",
+        ),
         ({"method": "ar", "verification": "block"}, "verification does not apply to method ar"),
         (
             {"method": "tas", "verification": "block"},
@@ -91,7 +97,8 @@ def test_none_values_count_as_not_given():
 
 def test_spec_keys_hold_every_registry_parameter():
     params = {p.name for m in METHODS.values() for p in m.params}
-    assert {"method", "num_draft_tokens", "drafter", "verification"} | params == set(SPEC_KEYS)
+    own = {"method", "num_draft_tokens", "drafter", "verification", "branches"}
+    assert own | params == set(SPEC_KEYS)
 
 
 def test_a_spec_built_by_hand_must_list_its_method_parameters():

@@ -58,8 +58,8 @@ def _k_value(text: str) -> int | str:
 
 
 def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
-    """--method, its parameters, --num-draft-tokens, --drafter and --verification: the
-    decoding spec."""
+    """--method, its parameters, --num-draft-tokens, --drafter, --verification and --branches:
+    the decoding spec."""
     p.add_argument(
         "--method",
         default=DEFAULT_METHOD,
@@ -70,8 +70,14 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
     p.add_argument(
         "--verification",
         choices=VERIFICATIONS,
-        help="how a drafted chain is judged: chain (token by token, default) or block "
-        "(the chain as a whole: more tokens kept, lossless; method sps)",
+        help="how drafts are judged: chain (token by token, default), block (the chain as "
+        "a whole: more tokens kept) or tree (--branches candidates at the first position, each "
+        "continued by a chain, in one verifier forward); block and tree: methods sps, cactus",
+    )
+    p.add_argument(
+        "--branches",
+        type=int,
+        help="a tree's distinct candidates at the first position (--verification tree; default 2)",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]
@@ -319,11 +325,11 @@ def _flag(key: str) -> str:
 
 
 def _spec(args: argparse.Namespace) -> DecodeSpec:
-    """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter and
-    --verification."""
+    """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter,
+    --verification and --branches."""
     given = {name: getattr(args, name) for name in _method_flags()}
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
-    given |= {"verification": args.verification}
+    given |= {"verification": args.verification, "branches": args.branches}
     return parse_spec({"method": args.method, **given}, label=_flag)
 
 

@@ -48,8 +48,26 @@ class Backend(Protocol):
         backend batches; return each row's float32 logits [T_i, V] (its last ``keep``, or its
         last one when ``last_only``)."""
 
+    def append_tree(
+        self, token_lists: list[list[int]], parent_lists: list[list[int]], rows: list[int]
+    ) -> list[torch.Tensor]:
+        """Feed row ``rows[i]`` the nodes ``token_lists[i]`` of a token tree, after its cached
+        tokens and after the tree nodes it already holds (fed by earlier ``append_tree`` calls
+        since its last ``commit_path``, rollback, reset or append). ``parent_lists[i][j]`` is
+        the index of node j's parent among the row's tree nodes (earlier calls' nodes first,
+        in feeding order, then this call's; a parent always comes before its child), or -1
+        for a node that directly follows the cached tokens. Returns each row's float32 logits
+        [N_i, V], one per new node, each equal (up to float rounding) to what a plain append
+        of the node's root-to-node path gives. ``length_of`` counts cached tokens only."""
+
+    def commit_path(self, path: list[int], row: int = 0) -> None:
+        """Keep the row's tree nodes ``path`` (indices in feeding order; path[0]'s parent is
+        -1 and each next node is a child of the one before) as the tokens following its
+        cached ones (its length grows by len(path)); drop every other tree node. An empty
+        path just drops the tree."""
+
     def rollback(self, length: int, row: int = 0) -> None:
-        """Keep only the first `length` cached tokens of ``row``."""
+        """Keep only the first `length` cached tokens of ``row`` (dropping its tree nodes)."""
 
     def reset(self, row: int | None = None) -> None:
         """Empty ``row``, or every row."""

@@ -19,6 +19,9 @@ class TransformersBackend:
     Rollback needs full-attention layers (sliding-window layers roll back only within their window).
     """
 
+    #: No token-tree attention here (``append_tree`` refuses).
+    reads_trees = False
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self._cache = DynamicCache(config=model.config)
@@ -98,8 +101,21 @@ class TransformersBackend:
         self._cache = DynamicCache(config=self.model.config)
         self._length = 0
 
+    def append_tree(
+        self, token_lists: list[list[int]], parent_lists: list[list[int]], rows: list[int]
+    ) -> list[torch.Tensor]:
+        """Not here: a DynamicCache has no per-token mask to feed a token tree with."""
+        raise NotImplementedError(_NO_TREES)
+
+    def commit_path(self, path: list[int], row: int = 0) -> None:
+        """Not here (see ``append_tree``)."""
+        raise NotImplementedError(_NO_TREES)
+
     def synchronize(self) -> None:
         synchronize(self.device)
+
+
+_NO_TREES = "token trees (append_tree, commit_path) need the lean backend"
 
 
 def _check_row(row: int) -> None:

@@ -17,6 +17,13 @@ keys at positions <= t of its own row. Rolling a row back only sets its length; 
 entries beyond it are masked out and overwritten later. So a forward over rows of different
 lengths gives each row exactly the logits it would get alone.
 
+A row may also hold a token tree (``LeanBackend.append_tree``): N nodes after its L cached
+tokens, in slots L .. L + N - 1 in feeding order, node n at rotary position L + depth(n)
+and attending to slots 0 .. L - 1 and to its ancestors' and its own (a mask, not the causal
+one), so each node gets the logits of its root-to-node path. ``commit_path`` moves one
+path's keys and values to slots L, L + 1, ... and drops the rest; the length counts cached
+tokens only, so a tree never moves it until then.
+
 Weights are the Hugging Face model's own tensors (shared, not copied); a bfloat16 model on
 the CPU first has its linear layers repacked, in place, for the native AMX kernel or for
 oneDNN (``packed``). Int8 layers that read the same input (q, k, v; gate, up) share its row
@@ -154,16 +161,62 @@ _FIRST_CAPACITY = 256
 
 @dataclass(frozen=True)
 class Feed:
-    """One forward's rows of the cache (``KVCache.begin``): where their new tokens go and
-    which keys each new token sees."""
+    """One forward's rows of the cache (``KVCache.begin``, ``KVCache.begin_tree``): where
+    their new tokens go and which keys each new token sees."""
 
     rows: list[int]
-    starts: list[int]  # each row's first new position
+    starts: list[int]  # each row's first new slot
     span: slice | None  # the rows, when contiguous (their cache is a view, no copy)
     index: Tensor | None  # [b] the rows otherwise
-    end: int  # one past the furthest position written
+    end: int  # one past the furthest slot written
     mask: Tensor  # [b, 1, T, S'] which keys each query sees
-    positions: Tensor  # [b, T]
+    positions: Tensor  # [b, T] rotary positions
+    causal: bool = True  # mask = keys at slots <= the query's own (a native block needs no mask)
+
+
+@dataclass(frozen=True)
+class PendingTree:
+    """The tree nodes a row holds after its cached tokens, in feeding order (node n in slot
+    L + n, L the row's length): each node's parent (-1: it follows the cached tokens), its
+    depth (0 for those; its rotary position is L + depth) and its line, the nodes from its
+    root down to itself (the tree slots it sees)."""
+
+    parents: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()
+    lines: tuple[tuple[int, ...], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def grown(self, parents: list[int]) -> PendingTree:
+        """This tree with new nodes of the given parents (indices among all its nodes)."""
+        tree_parents, depths, lines = list(self.parents), list(self.depths), list(self.lines)
+        for parent in parents:
+            node = len(tree_parents)
+            if not -1 <= parent < node:
+                raise ValueError(f"tree node {node}'s parent must be in [-1, {node}); got {parent}")
+            tree_parents.append(parent)
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+            lines.append((lines[parent] if parent >= 0 else ()) + (node,))
+        return PendingTree(tuple(tree_parents), tuple(depths), tuple(lines))
+
+    def feed(self, length: int, count: int, width: int) -> tuple[list[int], list[list[int]]]:
+        """The rotary positions of this tree's last ``count`` nodes after ``length`` cached
+        tokens and the tree slots each one sees, right-padded to ``width`` queries (a
+        padding query, at position 0, sees its own slot only)."""
+        first = len(self) - count
+        positions = [length + depth for depth in self.depths[first:]] + [0] * (width - count)
+        slots = [[length + node for node in self.lines[first + t]] for t in range(count)]
+        slots += [[length + first + t] for t in range(count, width)]
+        return positions, slots
+
+    def check_path(self, path: list[int]) -> None:
+        """Raise ValueError unless ``path`` is a chain of this tree's nodes from a root."""
+        if path and (not 0 <= path[-1] < len(self) or list(self.lines[path[-1]]) != path):
+            raise ValueError(
+                f"path must be a chain of tree nodes from a root (the tree holds {len(self)} "
+                f"nodes); got {path}"
+            )
 
 
 class KVCache:
@@ -183,20 +236,58 @@ class KVCache:
         """The feed of ``count`` new tokens to each of ``rows``, after their cached ones
         (the cache grows here if it must); lengths move only with ``advance``."""
         device = self.lengths.device
-        first = rows[0]
-        contiguous = rows == list(range(first, first + len(rows)))
-        span = slice(first, first + len(rows)) if contiguous else None
-        index = None if contiguous else torch.tensor(rows, device=device)  # [b]
-        lengths = self.lengths[span] if contiguous else self.lengths[index]  # [b]
+        span, index, lengths = self._rows(rows)
         positions = lengths[:, None] + torch.arange(count, device=device)  # [b, T]
         end = int(positions.max()) + 1
+        self._reserve(end)
+        keys_at = torch.arange(end, device=device)  # [S']
+        mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
+        return Feed(list(rows), lengths.tolist(), span, index, end, mask, positions)
+
+    def begin_tree(self, rows: list[int], trees: list[PendingTree], counts: list[int]) -> Feed:
+        """The feed of the last ``counts[i]`` nodes of ``trees[i]`` to ``rows[i]``, right-padded
+        to the largest count: node n of a row of length L goes to slot L + n, at rotary
+        position L + depth(n), and sees slots 0 .. L - 1 and those of its line; a padding
+        token sees slots 0 .. L - 1 and its own. Lengths do not move."""
+        device = self.lengths.device
+        span, index, lengths = self._rows(rows)
+        width, cached = max(counts), lengths.tolist()
+        starts = [n + len(tree) - c for n, tree, c in zip(cached, trees, counts, strict=True)]
+        end = max(starts) + width
+        self._reserve(end)
+        places, seen = [], []  # rotary positions [b][T]; (row, query, slot) of the tree keys seen
+        for i, (length, tree, count) in enumerate(zip(cached, trees, counts, strict=True)):
+            row_places, slots = tree.feed(length, count, width)
+            places.append(row_places)
+            seen += [(i, t, slot) for t, query_slots in enumerate(slots) for slot in query_slots]
+        keys_at = torch.arange(end, device=device)  # [S']
+        mask = (keys_at[None, None, :] < lengths[:, None, None]).repeat(1, width, 1)  # [b, T, S']
+        mask[tuple(torch.tensor(seen, device=device).T)] = True
+        positions = torch.tensor(places, device=device)  # [b, T]
+        return Feed(list(rows), starts, span, index, end, mask[:, None], positions, causal=False)
+
+    def _rows(self, rows: list[int]) -> tuple[slice | None, Tensor | None, Tensor]:
+        """``rows`` as a slice (when contiguous) or an index [b], and their lengths [b]."""
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):
+            span = slice(first, first + len(rows))
+            return span, None, self.lengths[span]
+        index = torch.tensor(rows, device=self.lengths.device)  # [b]
+        return None, index, self.lengths[index]
+
+    def _reserve(self, end: int) -> None:
+        """Make room for ``end`` tokens per row (growing the cache), or raise if it cannot."""
         if end > self.size:
             raise ValueError(f"context overflow: {end} tokens exceed the cache ({self.size})")
         if end > self.keys.shape[3]:
             self._grow(min(self.size, max(end, 2 * self.keys.shape[3])))
-        keys_at = torch.arange(end, device=device)  # [S']
-        mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
-        return Feed(list(rows), lengths.tolist(), span, index, end, mask, positions)
+
+    def move(self, row: int, sources: list[int], first: int) -> None:
+        """Copy the keys and values (every layer) of ``row`` at slots ``sources`` to slots
+        ``first``, ``first + 1``, ... (all read before any is written)."""
+        at = torch.tensor(sources, device=self.lengths.device)  # [n]
+        for cache in (self.keys, self.values):  # [L, B, H_kv, S, D]
+            cache[:, row, :, first : first + len(sources)] = cache[:, row].index_select(2, at)
 
     def layer(self, layer: int) -> tuple[Tensor, Tensor]:
         """The keys and values of every row at ``layer``: [B, H_kv, S, D] each (views)."""
@@ -340,13 +431,18 @@ class LeanBackend:
     """The Backend protocol over ``LeanModel``: ``slots`` rows, each with its own length.
 
     ``append``/``rollback`` act on row 0 by default (a batch of one);
-    ``append_ragged`` feeds any rows at once, each its own number of tokens.
+    ``append_ragged`` feeds any rows at once, each its own number of tokens;
+    ``append_tree`` feeds token trees, ``commit_path`` keeps one path of a row's tree.
     """
+
+    #: Token trees are read in one forward (``append_tree``).
+    reads_trees = True
 
     def __init__(self, model: LeanModel, batch: int = 1, context_length: int | None = None):
         self.model = model
         size = min(model.max_positions, context_length or DEFAULT_CONTEXT)
         self.cache = model.new_cache(batch, size)
+        self.trees = [PendingTree()] * batch  # each row's pending tree nodes
 
     @property
     def vocab_size(self) -> int:
@@ -386,6 +482,8 @@ class LeanBackend:
         last ``keep`` tokens when keep > 0, or of its last token when ``last_only``."""
         if any(len(ids) == 0 for ids in token_lists):
             raise ValueError("append needs at least one token")
+        for row in rows:
+            self.trees[row] = PendingTree()
         groups = _forward_groups([len(ids) for ids in token_lists])
         out: list[Tensor | None] = [None] * len(token_lists)
         for group in groups:
@@ -399,22 +497,80 @@ class LeanBackend:
         """One forward of right-padded token lists over ``rows``."""
         width = max(len(ids) for ids in lists)
         device = self.cache.lengths.device
+        counts = torch.tensor([len(ids) for ids in lists], device=device)  # [b]
+        feed = self.cache.begin(width, rows)
+        x = self.model.hidden(self._padded(lists, width), self.cache, feed)  # [b, T, E]
+        self.cache.advance(feed, counts)
+        lengths = counts.tolist()
+        return self._last_logits(x, lengths, [1 if last_only else keep or n for n in lengths])
+
+    def _padded(self, lists: list[list[int]], width: int) -> Tensor:
+        """The token lists right-padded with zeros to ``width``: [b, T] on the cache's device."""
         padded = torch.zeros(len(lists), width, dtype=torch.long)
         for i, ids in enumerate(lists):
             padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        counts = torch.tensor([len(ids) for ids in lists], device=device)  # [b]
-        feed = self.cache.begin(width, rows)
-        x = self.model.hidden(padded.to(device), self.cache, feed)  # [b, T, E]
-        self.cache.advance(feed, counts)
-        lengths = counts.tolist()
-        sizes = [1 if last_only else keep or n for n in lengths]
+        return padded.to(self.cache.lengths.device)
+
+    def _last_logits(self, x: Tensor, lengths: list[int], sizes: list[int]) -> list[Tensor]:
+        """Float32 logits of the last ``sizes[i]`` of the ``lengths[i]`` real tokens of each
+        row of hidden states x [b, T, E]: b x [sizes[i], V]."""
+        width = x.shape[1]
         at = [  # flat positions of each row's last ``size`` real tokens
             i * width + n - size + j
             for i, (n, size) in enumerate(zip(lengths, sizes, strict=True))
             for j in range(size)
         ]
-        picked = x.reshape(-1, x.shape[-1])[torch.tensor(at, device=device)]  # [N, E]
+        picked = x.reshape(-1, x.shape[-1])[torch.tensor(at, device=x.device)]  # [N, E]
         return list(self.model.logits(picked).split(sizes))  # b x [T_i, V]
+
+    def append_tree(
+        self, token_lists: list[list[int]], parent_lists: list[list[int]], rows: list[int]
+    ) -> list[Tensor]:
+        """Feed row ``rows[i]`` the nodes ``token_lists[i]`` of a token tree, after its cached
+        tokens and the tree nodes it already holds (fed since its last ``commit_path``,
+        ``rollback``, ``reset`` or append). ``parent_lists[i][j]`` is the index of node j's
+        parent among the row's tree nodes (earlier calls' nodes first, in feeding order, then
+        this call's; a parent comes before its child), or -1 for a node that directly follows
+        the cached tokens. Returns each row's float32 logits [N_i, V], one per new node, each
+        what a plain append of the node's root-to-node path gives (up to float rounding).
+
+        Node n of a row of length L sits in cache slot L + n at rotary position L + depth(n)
+        and attends to slots 0 .. L - 1 and to its ancestors' and its own; rows are
+        right-padded into as few forwards as ``append_ragged`` takes. Lengths do not move."""
+        if not len(token_lists) == len(parent_lists) == len(rows) == len(set(rows)):
+            raise ValueError("append_tree needs a token list and a parent list per distinct row")
+        if any(len(ids) != len(ps) for ids, ps in zip(token_lists, parent_lists, strict=True)):
+            raise ValueError("each token list needs a parent list of the same length")
+        if any(len(ids) == 0 for ids in token_lists):
+            raise ValueError("append_tree needs at least one node per row")
+        trees = [self.trees[row].grown(ps) for row, ps in zip(rows, parent_lists, strict=True)]
+        out: list[Tensor | None] = [None] * len(token_lists)
+        for group in _forward_groups([len(ids) for ids in token_lists]):
+            lists = [token_lists[i] for i in group]
+            logits = self._forward_tree(lists, [rows[i] for i in group], [trees[i] for i in group])
+            for i, rows_logits in zip(group, logits, strict=True):
+                out[i] = rows_logits
+        for row, tree in zip(rows, trees, strict=True):
+            self.trees[row] = tree
+        return out
+
+    def _forward_tree(self, lists, rows, trees) -> list[Tensor]:
+        """One forward of right-padded tree nodes ``lists`` (the last nodes of ``trees``)."""
+        counts = [len(ids) for ids in lists]
+        feed = self.cache.begin_tree(rows, trees, counts)
+        x = self.model.hidden(self._padded(lists, max(counts)), self.cache, feed)  # [b, T, E]
+        return self._last_logits(x, counts, counts)
+
+    def commit_path(self, path: list[int], row: int = 0) -> None:
+        """Keep the row's tree nodes ``path`` (feeding-order indices, a chain from a root) as
+        the tokens following its cached ones: their keys and values move to slots L, L + 1,
+        ... (L the row's length), which grows by len(path); drop every other tree node."""
+        self.trees[row].check_path(path)
+        length = self.length_of(row)
+        if path:
+            self.cache.move(row, [length + node for node in path], length)
+            self.cache.lengths[row] = length + len(path)
+        self.trees[row] = PendingTree()
 
     def rollback(self, length: int, row: int = 0) -> None:
         """Keep only the first ``length`` cached tokens of ``row``: O(1), nothing recomputed."""
@@ -422,13 +578,16 @@ class LeanBackend:
         if not 0 <= length <= current:
             raise ValueError(f"rollback length must be in [0, {current}]; got {length}")
         self.cache.lengths[row] = length
+        self.trees[row] = PendingTree()
 
     def reset(self, row: int | None = None) -> None:
         """Empty ``row`` (default: every row)."""
         if row is None:
             self.cache.lengths.zero_()
+            self.trees = [PendingTree()] * self.slots
         else:
             self.cache.lengths[row] = 0
+            self.trees[row] = PendingTree()
 
     def synchronize(self) -> None:
         synchronize(self.device)

@@ -53,10 +53,12 @@ class NativeBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, feed, layer: int) -> Tensor:
         """x [b, T, E] -> [b, T, E]; writes the feed's new keys and values into ``cache``
-        (a ``lean.KVCache``, at ``feed.starts`` of ``feed.rows``)."""
+        (a ``lean.KVCache``, at ``feed.starts`` of ``feed.rows``). A causal feed's queries see
+        the slots up to their own; another's (a token tree's) those of its mask."""
         cos, sin = rope  # [b, 1, T, D] each
         keys, values = cache.layer(layer)  # [B, H_kv, S, D] each
+        mask = None if feed.causal else feed.mask[:, 0]  # [b, T, S']
         return self._call(
-            x, cos, sin, keys, values, feed.rows, feed.starts, self.params,
+            x, cos, sin, keys, values, feed.rows, feed.starts, mask, self.params,
             self.eps, self.heads, self.kv_heads,
         )  # fmt: skip

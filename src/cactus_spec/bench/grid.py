@@ -18,13 +18,15 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
     exact = [false, true]
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
-``drafter`` or ``verification`` (``chain`` or ``block``: ``sps:verification=chain,block``),
-overriding the defaults for that entry (K ``auto`` leaves the draft length to the engine's
-policy: per iteration, and stopped inside it by the draft's confidence), ``draft`` (a draft
-model other than the run's ``--draft``, by name or path, for the engine's methods: one with
-another tokenizer drafts across vocabularies, ``sps:draft=smollm2-135m``), or ``verifier``
-(the verifier's weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for
-every method but llama.cpp's, which runs the GGUF itself:
+``drafter``, ``verification`` (``chain``, ``block`` or ``tree``:
+``sps:verification=chain,block``) or ``branches`` (a tree's candidates at the first position:
+``sps:verification=tree:branches=2,4``), overriding the defaults for that entry (K ``auto``
+leaves the draft length to the engine's policy: per iteration, and stopped inside it by the
+draft's confidence), ``draft`` (a draft model other than the run's ``--draft``, by name or
+path, for the engine's methods: one with another tokenizer drafts across vocabularies,
+``sps:draft=smollm2-135m``), or ``verifier`` (the verifier's weights, ``none``, ``int8`` or
+``int4``; default: ``--verifier-quant``) for every method but llama.cpp's, which runs the
+GGUF itself:
 ``cactus:delta=1:verifier=none,int8`` compares both in one run.
 """
 
@@ -54,7 +56,7 @@ PEERS: dict[str, dict[str, int]] = {
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "draft")
+_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "branches", "draft")
 
 Entry = tuple[str, dict[str, list]]
 
@@ -68,8 +70,9 @@ class Config:
     num_draft_tokens: int | None = 0  # 0: drafts nothing; None: K left to the policy ("auto")
     drafter: str | None = None  # None for a method that drafts nothing
     verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
-    verification: str = "chain"  # how the engine judges a chain (core.spec.VERIFICATIONS)
+    verification: str = "chain"  # how the engine judges drafts (core.spec.VERIFICATIONS)
     draft: str | None = None  # another draft model (name or path); None: the run's --draft
+    branches: int = 1  # a tree's candidates at the first position (1 unless a tree)
 
     @property
     def drafts(self) -> bool:
@@ -89,19 +92,20 @@ class Config:
         if self.drafts:
             values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
             values |= {"verification": self.verification}
+            values |= {"branches": self.branches} if self.verification == "tree" else {}
         spec = parse_spec(values)
         return spec if self.num_draft_tokens is not None else spec.with_num_draft_tokens(None)
 
     @property
     def id(self) -> str:
         """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
-        drafter for another draft model, ``/block`` appended for block verification, ``@int8``
-        for an int8 verifier)."""
+        drafter for another draft model, ``/block`` appended for block verification,
+        ``/tree2`` for trees of two first candidates, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
         head = head if self.draft is None else f"{head}={self.draft}"
-        head = f"{head}/block" if self.verification == "block" else head
+        head = f"{head}/{self._judged}" if self.verification != "chain" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
     @property
@@ -117,9 +121,14 @@ class Config:
             words.append(f"K{_k_text(self.num_draft_tokens)}")
             words += ["ngram"] if self.drafter == "ngram" else []
             words += [] if self.draft is None else [f"draft={Path(self.draft).name}"]
-            words += ["block"] if self.verification == "block" else []
+            words += [self._judged] if self.verification != "chain" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
+
+    @property
+    def _judged(self) -> str:
+        """``block``, ``tree2`` (two first candidates), ... or ``chain``."""
+        return f"tree{self.branches}" if self.verification == "tree" else self.verification
 
     def as_dict(self) -> dict:
         return {
@@ -132,6 +141,7 @@ class Config:
             "verifier": self.verifier,
             "verification": self.verification,
             **({"draft": self.draft} if self.draft is not None else {}),  # as recorded before
+            **({"branches": self.branches} if self.verification == "tree" else {}),
         }
 
     @classmethod
@@ -145,6 +155,7 @@ class Config:
             data["verifier"],
             data.get("verification", "chain"),  # runs recorded before block verification
             data.get("draft"),  # runs recorded before other draft models
+            data.get("branches", 1),
         )
 
 
@@ -164,6 +175,7 @@ def make_config(
     verifier: str = "none",
     verification: object = None,
     draft: object = None,
+    branches: object = None,
 ) -> Config:
     """A validated configuration; values may be text (the command line). An engine method's
     parameters, K, drafter and verification are read by ``core.spec.parse_spec``, a peer's K
@@ -187,12 +199,14 @@ def make_config(
         raise ValueError(f"{method} is a peer: num_draft_tokens {AUTO_K} does not apply")
     k = None if auto else k
     drafting = {"num_draft_tokens": k, "drafter": drafter} if method not in NO_DRAFT else {}
-    if verification is not None and method not in METHODS:
-        raise ValueError(f"{method} is a peer: verification does not apply")
+    for name, value in (("verification", verification), ("branches", branches)):
+        if value is not None and method not in METHODS:
+            raise ValueError(f"{method} is a peer: {name} does not apply")
     draft = _draft_model(method, draft, drafter)
     try:
         if method in METHODS:
-            judged = {"verification": verification} if method not in NO_DRAFT else {}
+            judged = {"verification": verification, "branches": branches}
+            judged = judged if method not in NO_DRAFT else {}
             spec = parse_spec({"method": method, **params, **drafting, **judged}, text=True)
             values = dict(spec.params)
         else:
@@ -210,6 +224,7 @@ def make_config(
         verifier,
         spec.verification if method in METHODS else "chain",
         draft,
+        spec.branches if method in METHODS else 1,
     )
 
 
@@ -242,11 +257,13 @@ def expand(
     verifiers: Sequence[str] = ("none",),
     verifications: Sequence[str | None] = (None,),
     drafts: Sequence[str | None] = (None,),
+    branches: Sequence[int | None] = (None,),
 ) -> tuple[Config, ...]:
     """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
     verifier formats of entries that name none (llama.cpp's always run the GGUF);
-    ``verifications``: how the engine's drafting entries that name none judge chains
-    (None: chain); ``drafts``: their draft models (None: the run's)."""
+    ``verifications``: how the engine's drafting entries that name none judge drafts
+    (None: chain); ``drafts``: their draft models (None: the run's); ``branches``: their
+    trees' first candidates (None: the default, for trees)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
@@ -259,16 +276,34 @@ def expand(
         verifier_values = [_text(v) for v in lists.get("verifier", verifiers)]
         judged = lists.get("verification", verifications if method in METHODS else [None])
         draft_values = lists.get("draft", drafts if method in METHODS else [None])
+        widths = lists.get("branches", branches if method in METHODS else [None])
+        if "branches" in lists and "tree" not in [_text(v) for v in judged]:
+            raise ValueError(f"{method}: branches applies to verification tree only")
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
-        for combo in itertools.product(*axes, judged, draft_values):
-            *values, k, drafter, verifier, verification, draft = combo
+        for combo in itertools.product(*axes, judged, draft_values, widths):
+            *values, k, drafter, verifier, verification, draft, width = combo
             params = dict(zip(names, values, strict=True))
-            config = make_config(method, params, k, drafter, verifier, verification, draft)
+            config = make_config(
+                method,
+                params,
+                k,
+                drafter,
+                verifier,
+                verification,
+                draft,
+                _tree_only(width, verification),
+            )
             configs.setdefault(config.id, config)
     if not configs:
         raise ValueError("the grid holds no configuration")
     return tuple(configs.values())
+
+
+def _tree_only(width: object, verification: object) -> object:
+    """A width applies to the trees of an entry's product (``verification = ["chain",
+    "tree"]`` with ``branches = [2, 4]``: chains, trees of 2 and of 4), not its chains."""
+    return width if verification is not None and _text(verification) == "tree" else None
 
 
 def _text(value: object) -> str:
@@ -312,9 +347,9 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     drafters = _listed(raw.get("drafter", ["model"]))
     verifiers = _listed(raw.get("verifier", ["none"]))
     verifications = _listed(raw.get("verification", [None]))
-    return expand(
-        entries, ks, drafters, verifiers, verifications, _listed(raw.get("draft", [None]))
-    )
+    drafts = _listed(raw.get("draft", [None]))
+    widths = _listed(raw.get("branches", [None]))
+    return expand(entries, ks, drafters, verifiers, verifications, drafts, widths)
 
 
 def _read_structured(path: Path) -> dict:

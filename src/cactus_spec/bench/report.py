@@ -34,7 +34,9 @@ def _k(config: dict) -> str:
     if config["drafter"] is None:
         return DASH
     k = config["num_draft_tokens"]
-    block = ", block" if config.get("verification") == "block" else ""
+    judged = config.get("verification", "chain")
+    block = "" if judged == "chain" else f", {judged}"
+    block += str(config["branches"]) if judged == "tree" else ""
     drafter = config["drafter"] if config.get("draft") is None else Path(config["draft"]).name
     return f"{'auto' if k is None else k} ({drafter}{block})"
 

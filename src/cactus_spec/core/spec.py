@@ -13,9 +13,12 @@ value is converted, checked and its error worded in one place:
   (given as ``"auto"``) where a policy picks K each iteration and stops drafting inside it
   when the draft is unsure (``runtime.policy``).
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
-- ``verification``: how a drafted chain is judged, one of ``VERIFICATIONS``: ``chain``, token
-  by token (every rule), or ``block``, the chain as a whole (``core.block_verification``;
-  rules with a target per position: sps, and cactus with its KL budget spent per position).
+- ``verification``: how drafts are judged, one of ``VERIFICATIONS``: ``chain``, token by
+  token (every rule); ``block``, the chain as a whole (``core.block_verification``; rules with
+  a target per position: sps, and cactus with its KL budget spent per position); or ``tree``,
+  a draft tree of ``branches`` distinct candidates at the first position, each continued by a
+  chain, all verified in one forward (``core.tree_verification``; the same rules).
+- ``branches``: the tree's candidates at the first position, an integer >= 1 (tree only).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -44,26 +47,31 @@ from cactus_spec.core.rules import Rule
 DRAFTERS = ("model", "ngram")
 #: The K that leaves the draft length to a policy (``DecodeSpec.num_draft_tokens`` None).
 AUTO_K = "auto"
-#: How a drafted chain is judged: token by token, or as a block (rules with a block target).
-VERIFICATIONS = ("chain", "block")
+#: How drafts are judged: a chain token by token, a chain as a block, or a draft tree (the last
+#: two for rules with a target per position).
+VERIFICATIONS = ("chain", "block", "tree")
+#: A tree's candidates at the first position when none is given.
+DEFAULT_BRANCHES = 2
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
 SPEC_KEYS = (
     "method",
     "num_draft_tokens",
     "drafter",
     "verification",
+    "branches",
     *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
 )
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 #: The spec's own keys (the rest of SPEC_KEYS are method parameters).
-_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification")
+_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches")
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
     filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
-    ``drafter`` (None for ``ar``) and ``verification`` (None for ``ar``). Build one with
+    ``drafter`` (None for ``ar``), ``verification`` (None for ``ar``) and ``branches`` (a
+    tree's candidates at the first position; 1 unless it verifies trees). Build one with
     ``parse_spec`` or ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
@@ -73,6 +81,7 @@ class DecodeSpec:
     num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS
     drafter: str | None = "model"
     verification: str | None = "chain"
+    branches: int = 1
 
     def __post_init__(self) -> None:
         names = sorted(get_method(self.method).defaults)
@@ -109,20 +118,25 @@ class DecodeSpec:
         return parse_spec({"num_draft_tokens": k}, base=self) if k is not None else _no_k(self)
 
     def as_dict(self) -> dict:
-        """JSON-ready: method, params, num_draft_tokens, drafter, verification."""
+        """JSON-ready: method, params, num_draft_tokens, drafter, verification (and branches,
+        for a tree)."""
+        tree = {"branches": self.branches} if self.verification == "tree" else {}
         return {
             "method": self.method,
             "params": dict(self.params),
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter,
             "verification": self.verification,
+            **tree,
         }
 
 
 def _no_k(spec: DecodeSpec) -> DecodeSpec:
     if not spec.drafts:
         return spec
-    return DecodeSpec(spec.method, spec.params, None, spec.drafter, spec.verification)
+    return DecodeSpec(
+        spec.method, spec.params, None, spec.drafter, spec.verification, spec.branches
+    )
 
 
 def parse_spec(
@@ -170,13 +184,20 @@ def parse_spec(
     build_rule(method, typed)  # the rule checks its ranges
     k = given.get("num_draft_tokens")
     drafter = given.get("drafter")
-    verification = given.get("verification")
+    verification = _verification(given.get("verification"), method, typed, label, base)
+    k = _num_draft_tokens(k, text, label) if k is not None else _base_k(base)
+    if verification == "tree" and k is None:
+        raise ValueError(
+            f"{label('verification')} tree takes a fixed {label('num_draft_tokens')} (the "
+            f"tree's depth), not {AUTO_K}"
+        )
     return DecodeSpec(
         method,
         tuple(typed.items()),
-        _num_draft_tokens(k, text, label) if k is not None else _base_k(base),
+        k,
         _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
-        _verification(verification, method, typed, label, base),
+        verification,
+        _branches(given.get("branches"), verification, text, label, base),
     )
 
 
@@ -219,13 +240,33 @@ def _verification(
     if chosen not in VERIFICATIONS:
         allowed = ", ".join(VERIFICATIONS)
         raise ValueError(f"{label('verification')} must be one of {allowed}, got {value!r}")
-    if chosen == "block" and not blocks:
+    if chosen != "chain" and not blocks:
         takers = ", ".join(n for n, m in METHODS.items() if m.rule and m.rule.verifies_blocks)
         raise ValueError(
-            f"{label('verification')} block takes a method with a target per position "
+            f"{label('verification')} {chosen} takes a method with a target per position "
             f"({takers}), not {method}; {method} verifies chains"
         )
     return chosen
+
+
+def _branches(
+    value: object, verification: str, text: bool, label: Callable[[str], str], base: DecodeSpec
+) -> int:
+    """A tree's candidates at the first position: the value given (checked), else the base's
+    tree's, else ``DEFAULT_BRANCHES``; 1 for chains and blocks, which take no value."""
+    if verification != "tree":
+        if value is not None:
+            raise ValueError(f"{label('branches')} applies to {label('verification')} tree only")
+        return 1
+    if value is None:
+        return base.branches if base.verification == "tree" else DEFAULT_BRANCHES
+    try:
+        branches = _convert(label("branches"), value, 0, text)
+    except ValueError:
+        branches = 0
+    if branches < 1:
+        raise ValueError(f"{label('branches')} must be an integer >= 1, got {value!r}")
+    return branches
 
 
 def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> object:

@@ -2,7 +2,10 @@
 
 A drafter sees the whole token context (prompt and output so far) and proposes
 up to K next tokens, with their draft distributions ``p`` [K, V] when it samples
-them, or ``None`` when its drafts are deterministic (``p`` one-hot). The engine
+them, or ``None`` when its drafts are deterministic (``p`` one-hot). A model drafter
+proposes a draft tree when asked for ``branches`` > 1: that many distinct candidates at
+the first position, drawn without replacement, each continued by a chain
+(``core.tree_verification``). The engine
 knows drafters only through ``Drafter``; a new drafter (layer skipping, trained
 heads) is a new class here, with no change to the decode loop.
 """
@@ -18,15 +21,31 @@ from torch import Tensor
 
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.sampling import SamplingConfig, draw, logits_to_probs
+from cactus_spec.core.tree_verification import ROOT, TokenTree, sample_distinct
 from cactus_spec.runtime.prefixes import common_prefix_length
 
 
 @dataclass(frozen=True)
 class Draft:
-    """``tokens``: up to K proposed ids; ``probs`` [len(tokens), V] or None (one-hot)."""
+    """``tokens``: the proposed ids; ``probs`` [len(tokens), V] (row j: the draft's row token j
+    was drawn from) or None (one-hot); ``parents``: a draft tree's parent of each token
+    (``TokenTree``), None for a chain."""
 
     tokens: list[int]
     probs: Tensor | None
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def depth(self) -> int:
+        """The positions drafted: a chain's length, a tree's longest path."""
+        return len(self.tokens) if self.parents is None else self.tree.depth()
+
+    @property
+    def tree(self) -> TokenTree:
+        """The draft as a token tree (a chain's parents are its previous tokens)."""
+        if self.parents is None:
+            return TokenTree.chain(self.tokens)
+        return TokenTree(tuple(self.tokens), self.parents)
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,8 @@ class DraftRequest:
     ``generator`` from ``process(logits [1, V], drafts so far)`` (the row's penalties and
     sampling; default: ``sampling`` alone). ``keep_drafting(confidences)``, given the draft's
     probability of each token it drew so far, says whether to draw another (default:
-    always, up to ``num_draft_tokens``)."""
+    always, up to ``num_draft_tokens``). ``branches`` > 1 asks for a draft tree: that many
+    distinct candidates at the first position, each continued to depth ``num_draft_tokens``."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
@@ -44,6 +64,7 @@ class DraftRequest:
     generator: torch.Generator
     process: Callable[[Tensor, Sequence[int]], Tensor] | None = None
     keep_drafting: Callable[[Sequence[float]], bool] | None = None
+    branches: int = 1
 
     def probs(self, logits: Tensor, drafted: Sequence[int]) -> Tensor:
         """p [1, V] of the next draft after ``drafted``."""
@@ -90,6 +111,11 @@ class ModelDrafter:
     over all rows still drafting; each row draws from its own generator, in the same order
     as alone. ``head``: the ids a truncated LM head keeps (``loading.head_vocab``); the
     draft then proposes only those.
+
+    A draft tree is drafted depth by depth, every node of a depth in one forward of the
+    backend's token-tree attention (``Backend.append_tree``), K forwards in all as for a
+    chain; the fed nodes stay in the cache as a tree until the next proposal, which keeps the
+    path the verifier accepted (``Backend.commit_path``).
     """
 
     def __init__(self, backend: Backend, vocab_size: int, head: Tensor | None = None) -> None:
@@ -98,17 +124,20 @@ class ModelDrafter:
         self.head = head  # [N] the ids a truncated head's logits stand for; None: all
         self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
         self._seen: dict[int, int] = {}  # row -> context tokens its cache has read
+        self._trees: dict[int, TokenTree] = {}  # row -> the draft tree its cache holds
 
     def reset(self, row: int | None = None) -> None:
         self.backend.reset(row)
         if row is None:
-            self._cached, self._seen = {}, {}
+            self._cached, self._seen, self._trees = {}, {}, {}
         else:
             self._cached.pop(row, None)
             self._seen.pop(row, None)
+            self._trees.pop(row, None)
 
     def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
         cached = self._cached.get(row, []) if reuse else []
+        self._trees.pop(row, None)  # the rollback drops it from the cache
         keep = min(common_prefix_length(cached, prompt), len(prompt) - 1)
         self.backend.rollback(keep, row)
         self._cached[row] = list(prompt[:keep])
@@ -119,6 +148,8 @@ class ModelDrafter:
         return len(context) - self._seen.get(row, 0)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        if any(r.branches > 1 for r in requests):
+            return self._propose_trees(requests)
         pending = [self._catch_up(r) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
@@ -145,6 +176,40 @@ class ModelDrafter:
             drafts.append(Draft(drafted, torch.cat(probs) if probs else None))
         return drafts
 
+    def _propose_trees(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Every request's draft tree (a chain where ``branches`` is 1), depth by depth."""
+        pending = [self._catch_up(r) for r in requests]
+        logits = self.backend.append_ragged(pending, [r.row for r in requests], last_only=True)
+        trees = [_Growing(r) for r in requests]
+        for tree, row_logits in zip(trees, logits, strict=True):
+            tree.see(ROOT, self._full_row(row_logits))
+        for depth in range(max(r.num_draft_tokens for r in requests)):
+            growing = [t for t in trees if depth < t.request.num_draft_tokens and t.frontier]
+            fresh = [(t, t.grow(depth)) for t in growing]
+            fed = [(t, nodes) for t, nodes in fresh if depth + 1 < t.request.num_draft_tokens]
+            for t, _ in fed:
+                t.fed = len(t.tokens)  # every node so far: each depth is read whole
+            self._read_nodes([(t, nodes) for t, nodes in fed if nodes])
+        for t, r in zip(trees, requests, strict=True):
+            self._seen[r.row] = len(r.context)
+            self._cached[r.row] = list(r.context)
+            self._trees[r.row] = TokenTree(tuple(t.tokens[: t.fed]), tuple(t.parents[: t.fed]))
+        return [t.draft() for t in trees]
+
+    def _read_nodes(self, fed: list[tuple[_Growing, list[int]]]) -> None:
+        """Feed each growing tree its newest nodes (one forward of token-tree attention) and
+        set their rows as the trees' frontiers."""
+        if not fed:
+            return
+        logits = self.backend.append_tree(
+            [[t.tokens[j] for j in nodes] for t, nodes in fed],
+            [[t.parents[j] for j in nodes] for t, nodes in fed],
+            [t.request.row for t, _ in fed],
+        )
+        for (t, nodes), node_logits in zip(fed, logits, strict=True):
+            for i, j in enumerate(nodes):
+                t.see(j, self._full_row(node_logits[i : i + 1]))
+
     def _full_row(self, logits: Tensor) -> Tensor:
         """Logits [1, V] over the whole vocabulary: a truncated head's [1, N] placed at its
         ids, -inf elsewhere (p is 0 there)."""
@@ -155,11 +220,83 @@ class ModelDrafter:
 
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Roll the row's cache back to what it shares with the context; the tokens to feed."""
-        cached = self._cached.get(request.row, [])
+        cached = self._keep_tree_path(request)
         keep = min(common_prefix_length(cached, request.context), len(request.context) - 1)
         self.backend.rollback(keep, request.row)  # always feed at least one token
         self._cached[request.row] = list(request.context[:keep])
         return list(request.context[keep:])
+
+    def _keep_tree_path(self, request: DraftRequest) -> list[int]:
+        """The tokens the row's cache holds, after keeping the path of its draft tree (if it
+        holds one) that the context continues with; the rest of the tree is dropped."""
+        cached = self._cached.get(request.row, [])
+        tree = self._trees.pop(request.row, None)
+        if tree is None:
+            return cached
+        path: list[int] = []
+        if common_prefix_length(cached, request.context) == len(cached):
+            for token in request.context[len(cached) :]:
+                kids = tree.children[path[-1] if path else ROOT]
+                match = [j for j in kids if tree.tokens[j] == token]
+                if not match:
+                    break
+                path.append(match[0])
+        self.backend.commit_path(path, request.row)
+        return [*cached, *(tree.tokens[j] for j in path)]
+
+
+class _Growing:
+    """A draft tree being drafted for one request: its nodes, the draft's row each was drawn
+    from, and its frontier (the newest nodes, with the draft's logits and row after each)."""
+
+    def __init__(self, request: DraftRequest) -> None:
+        self.request = request
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.rows: list[Tensor] = []  # [1, V] each
+        self.frontier: list[tuple[int, Tensor, Tensor]] = []  # node, logits, p [1, V] each
+        self.fed = 0  # nodes the draft's cache has read
+
+    def see(self, node: int, logits: Tensor) -> None:
+        """Add ``node`` to the frontier with the draft's logits [1, V] after it."""
+        probs = self.request.probs(logits, self.path_tokens(node))  # [1, V]
+        self.frontier.append((node, logits, probs))
+
+    def grow(self, depth: int) -> list[int]:
+        """Draw the children of every frontier node (``branches`` distinct ones at depth 0,
+        one after); the new nodes."""
+        width = self.request.branches if depth == 0 else 1
+        fresh = []
+        for node, logits, probs in self.frontier:
+            for token in self._children(logits[0], probs[0], width):
+                fresh.append(len(self.tokens))
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.rows.append(probs)
+        self.frontier = []
+        return fresh
+
+    def _children(self, logits: Tensor, probs: Tensor, width: int) -> list[int]:
+        """``width`` distinct tokens drawn from p [V]; at temperature 0 (p one-hot) its mode,
+        then the next most likely by the draft's logits [V] (greedy verification keeps a
+        child only if it is the verifier's choice: any candidate is exact)."""
+        if not self.request.sampling.greedy:
+            return sample_distinct(probs, width, self.request.generator, greedy=False)
+        mode = int(probs.argmax())
+        ranked = logits.topk(min(width + 1, logits.shape[-1])).indices.tolist()
+        return [mode, *(t for t in ranked if t != mode)][:width]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to ``node``."""
+        path = []
+        while node != ROOT:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+    def draft(self) -> Draft:
+        probs = torch.cat(self.rows) if self.rows else None  # [N, V]
+        return Draft(self.tokens, probs, tuple(self.parents))
 
 
 def _drafts_more(request: DraftRequest, confidences: list[float]) -> bool:

@@ -210,10 +210,13 @@ class SpeculativeDecoder:
         self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None
     ) -> None:
         """ValueError when decoding by ``spec`` (default: the engine's) could overflow the
-        verifier's cache: the prompt, the budget and one iteration's drafts."""
+        verifier's cache: the prompt, the budget and one iteration's drafts (a draft tree's
+        every node)."""
         spec = self._spec(spec)
         parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
-        if spec.drafts:
+        if spec.drafts and spec.verification == "tree":
+            parts["num_draft_tokens x branches"] = self.draft_tokens(spec) * spec.branches
+        elif spec.drafts:
             parts["num_draft_tokens"] = self.draft_tokens(spec)
         if sum(parts.values()) > self.context_length:
             terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
@@ -420,12 +423,15 @@ class SpeculativeDecoder:
         return self._stepper.behind(generations)
 
     def _check_drafter(self, spec: DecodeSpec) -> None:
-        """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter."""
+        """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter (for
+        draft trees: a draft model of the verifier's vocabulary, both on the lean backend)."""
         if spec.drafts and spec.drafter != self.spec.drafter:
             have = f"drafts with {self.spec.drafter}" if self.spec.drafts else "has no drafter"
             raise ValueError(
                 f"method {spec.method} drafts with {spec.drafter}, but this engine {have}"
             )
+        if spec.verification == "tree":
+            _check_trees(self._drafter, self._backend)
 
     def _spec(self, spec: DecodeSpec | None) -> DecodeSpec:
         if spec is None:
@@ -451,6 +457,22 @@ def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
             f"num_draft_tokens ({spec.num_draft_tokens}) must not exceed max_draft_tokens ({given})"
         )
     return given
+
+
+def _check_trees(drafter: Drafter | None, verifier: object) -> None:
+    """Draft trees need a draft model that samples in the verifier's vocabulary (a cross-
+    vocabulary draft proposes one text) and token-tree attention in both models."""
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError(
+            "verification tree needs a draft model with the verifier's tokenizer "
+            f"(this engine drafts with {type(drafter).__name__}); use chain or block"
+        )
+    for name, backend in (("verifier", verifier), ("draft", drafter.backend)):
+        if not getattr(backend, "reads_trees", False):
+            raise ValueError(
+                f"verification tree needs token-tree attention, which the {name}'s backend "
+                f"({type(backend).__name__}) lacks; use the lean backend (--backend lean)"
+            )
 
 
 def _check_draft(spec: DecodeSpec, draft: ModelSource | None) -> None:

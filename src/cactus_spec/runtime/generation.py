@@ -206,6 +206,11 @@ class Generation:
             self.stats.time_grammar_s += time.perf_counter() - start
         return logits_to_probs(logits, self.sampling)
 
+    @property
+    def processes_drafts(self) -> bool:
+        """Whether ``process`` reads the drafts (penalties or a grammar)."""
+        return self.penalties is not None or self.constraint is not None
+
     def admitted(self, drafts: Sequence[int]) -> int:
         """How many of ``drafts`` (from the first) may be verified: all, unless the output
         must match a grammar that refuses one."""

@@ -15,13 +15,18 @@ iteration
    neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
 
+A row verifying draft trees gets a tree from the drafter (``branches`` candidates at the first
+position); when any row of the batch has one, the verifier reads every row as a token tree
+(a chain is a tree; ``Backend.append_tree``), each row's nodes are judged by
+``verify_tree``, and its cache keeps the accepted path (``Backend.commit_path``).
+
 Every random draw of a row comes from its own generator in the same order as when it is
 decoded alone, so a row decoded in a batch gives the tokens it gives alone (up to the
 rounding of batched matrix products, which moves a draw only when a uniform lands within
 rounding of a boundary).
 
 The divergence meter adds, per row, the exact KL(step_law || q) of every emitted drafted
-position (``audit``; on blocks the law is the rule's target t, so KL(t || q)): an unbiased
+position (``audit``; on blocks and trees the law is the rule's target t, so KL(t || q)): an unbiased
 estimate of the sequence-level KL(P_method || P_verifier).
 """
 
@@ -39,6 +44,7 @@ from cactus_spec.core.audit import kl, step_divergences
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.sampling import draw
+from cactus_spec.core.tree_verification import ROOT, judged_rows, verify_tree
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
@@ -156,27 +162,31 @@ class Stepper:
         )
         feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
         kept = [self.verifier.length_of(g.row) for g in generations]
+        trees = any(d.parents is not None for d in drafts)
         start = time.perf_counter()
-        logits = self.verifier.append_ragged(feeds, [g.row for g in generations])  # [K_b+1, V]
+        logits = self._read(feeds, drafts, [g.row for g in generations], trees)  # [K_b+1, V]
         verify_s = self._elapsed(start)
         qs = [
-            g.process(row_logits[:, : self.vocab_size], d.tokens)  # [K_b+1, V]
+            _verifier_rows(g, d, row_logits[:, : self.vocab_size])  # [K_b+1, V]
             for g, d, row_logits in zip(generations, drafts, logits, strict=True)
         ]
         judged = [_judged_rows(g, d, q) for g, d, q in zip(generations, drafts, qs, strict=True)]
         chosen = _tokens(generations, drafts, judged)
         emitted, accepted_counts = 0, []
         rows = zip(generations, drafts, qs, judged, chosen, kept, strict=True)
-        for g, draft, q, targets, tokens, length in rows:
+        for g, draft, q, targets, (tokens, path), length in rows:
             g.stats.time_verify_s += verify_s
             accepted = len(tokens) - 1
             accepted_counts.append(accepted)
-            self.verifier.rollback(length + 1 + accepted, g.row)
-            count = g.emit(tokens, q)
+            if trees:  # the root (the last emitted token) and the accepted nodes
+                self.verifier.commit_path([0, *(j + 1 for j in path)], g.row)
+            else:
+                self.verifier.rollback(length + 1 + accepted, g.row)
+            count = g.emit(tokens, _emitted_rows(q, draft, path))
             emitted += count
-            g.stats.record(len(draft.tokens), accepted, count)
+            g.stats.record(draft.depth, accepted, count)
             if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
-                _meter(g, draft, q, targets, min(count, len(draft.tokens)))
+                _meter(g, draft, q, targets, path, count)
         verified = sum(len(f) for f in feeds)
         confidences = tuple(_confidences(d) for d in drafts)
         return StepTiming(
@@ -197,7 +207,9 @@ class Stepper:
         context tokens the drafter read first."""
         counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
-            DraftRequest(g.row, g.context, k, g.sampling, g.generator, g.process, stop)
+            DraftRequest(
+                g.row, g.context, k, g.sampling, g.generator, g.process, stop, g.spec.branches
+            )
             for g, k, stop in zip(generations, counts, stops, strict=True)
             if k > 0
         ]
@@ -213,6 +225,16 @@ class Stepper:
                 g.stats.time_draft_s += elapsed
             drafts.append(_admitted(g, next(proposed)) if k > 0 else Draft([], None))
         return drafts, max(len(d.tokens) for d in drafts), elapsed, caught_up
+
+    def _read(
+        self, feeds: list[list[int]], drafts: list[Draft], rows: list[int], trees: bool
+    ) -> list[Tensor]:
+        """The verifier's logits [K_b+1, V] of each row's feed (its last token, then its
+        drafts): one ragged forward, or one token-tree forward when a row drafted a tree."""
+        if not trees:
+            return self.verifier.append_ragged(feeds, rows)
+        parents = [[ROOT, *(j + 1 for j in d.tree.parents)] for d in drafts]
+        return self.verifier.append_tree(feeds, parents, rows)
 
     def _elapsed(self, start: float) -> float:
         self.verifier.synchronize()
@@ -238,6 +260,27 @@ def _admitted(g: Generation, draft: Draft) -> Draft:
     return Draft(draft.tokens[:count], None)
 
 
+def _verifier_rows(g: Generation, draft: Draft, logits: Tensor) -> Tensor:
+    """q [K+1, V] of the verifier's logits after the row's last token and each draft: processed
+    along the chain, or, for a tree under penalties or a grammar, each node after its own
+    path."""
+    if draft.parents is None or not g.processes_drafts:
+        return g.process(logits, draft.tokens)
+    tree = draft.tree
+    rows = [g.process(logits[:1], [])]
+    for j in range(len(draft.tokens)):
+        rows.append(g.process(logits[j + 1 : j + 2], [tree.tokens[i] for i in tree.path(j)]))
+    return torch.cat(rows)
+
+
+def _emitted_rows(q: Tensor, draft: Draft, path: list[int]) -> Tensor:
+    """q's rows [>= len(path) + 1, V] the row's tokens were emitted at: a chain's first ones, a
+    tree's root and accepted nodes."""
+    if draft.parents is None:
+        return q
+    return q[torch.tensor([0, *(j + 1 for j in path)], device=q.device)]
+
+
 def _block(g: Generation, draft: Draft) -> bool:
     """Whether the row's drafts are block-verified (at temperature 0 every weight is 0 or 1:
     token verification runs the same test)."""
@@ -245,10 +288,14 @@ def _block(g: Generation, draft: Draft) -> bool:
 
 
 def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
-    """The rows [K+1, V] the row's drafts are judged against: q, except on blocks under a lossy
-    rule, whose per-position targets replace q's drafted rows (the block emits them exactly,
-    and the meter reads their divergence)."""
-    if not _block(g, draft) or g.spec.lossless:
+    """The rows [K+1, V] the row's drafts are judged against: q, except on blocks and trees
+    under a lossy rule, whose per-position targets replace q's drafted rows (the block or tree
+    emits them exactly, and the meter reads their divergence)."""
+    if g.spec.lossless or g.sampling.greedy or not draft.tokens:
+        return q
+    if draft.parents is not None:
+        return judged_rows(draft.tree, q, draft.probs, g.spec.rule)
+    if not _block(g, draft):
         return q
     k = len(draft.tokens)
     ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
@@ -258,17 +305,22 @@ def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
 
 def _tokens(
     generations: Sequence[Generation], drafts: Sequence[Draft], judged: Sequence[Tensor]
-) -> list[list[int]]:
-    """Each row's emitted tokens: one draw from its last row where nothing was drafted, else
-    its kept drafts and the token of its own, from ``verify`` (or ``verify_block``, towards
-    the judged rows) on that row alone. (One call over rows
+) -> list[tuple[list[int], list[int]]]:
+    """Each row's emitted tokens and the drafts they kept (a tree's accepted path): one draw
+    from its last row where nothing was drafted, else its kept drafts and the token of its
+    own, from ``verify`` (``verify_block``, ``verify_tree``: towards the judged rows) on that
+    row alone. (One call over rows
     stacked to [B, K+1, V] copies every row's q and p first: at B = 8, K = 10 and the
     default pair's 151,936 tokens that is ~100 MB a step, 34 ms against 3 ms for the loop,
     ``benchmarks/verify_rows.py``.)"""
     out = []
     for g, draft, q in zip(generations, drafts, judged, strict=True):
         if not draft.tokens:
-            out.append([draw(q[-1:], g.sampling.greedy, g.generator)])
+            out.append(([draw(q[-1:], g.sampling.greedy, g.generator)], []))
+            continue
+        if draft.parents is not None:
+            tree = verify_tree(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
+            out.append((tree.tokens, tree.path))
             continue
         ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
         p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
@@ -278,14 +330,25 @@ def _tokens(
             result = verify(
                 ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
             )
-        out.append(result.tokens[0, : int(result.num_accepted[0]) + 1].tolist())
+        accepted = int(result.num_accepted[0])
+        out.append((result.tokens[0, : accepted + 1].tolist(), list(range(accepted))))
     return out
 
 
-def _meter(g: Generation, draft: Draft, q: Tensor, judged: Tensor, positions: int) -> None:
-    """Add KL(law || q) of the first ``positions`` drafted positions (those that emitted a
-    token) to the generation's divergence meter; q and the judged rows [K+1, V]."""
+def _meter(
+    g: Generation, draft: Draft, q: Tensor, judged: Tensor, path: list[int], count: int
+) -> None:
+    """Add KL(law || q) of the drafted positions that emitted the first ``count`` tokens to
+    the generation's divergence meter; q and the judged rows [K+1, V], ``path`` the kept
+    drafts (on a tree the positions are the root and the accepted nodes, row j + 1 after
+    node j; a leaf's row is q's, at no cost)."""
     start = time.perf_counter()
+    if draft.parents is not None:
+        at = torch.tensor([0, *(j + 1 for j in path)][:count], device=q.device)  # [P]
+        g.stats.kl_nats += float(kl(judged[at], q[at]).sum())
+        g.stats.time_audit_s += time.perf_counter() - start
+        return
+    positions = min(count, len(draft.tokens))
     ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
     p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
     q = q[:positions]  # [P, V]

@@ -6,8 +6,10 @@
 //   a = x + o(attend(rope(q(n1)), rope(k(n1)), v(n1)))     n1 = rmsnorm(x) * w1
 //   y = a + down(silu(gate(n2)) * up(n2))                   n2 = rmsnorm(a) * w2
 //
-// The rows' new keys and values are written into the cache at their positions; query t of
-// row i (position p = start_i + t) attends to that row's keys 0..p. The block computes in
+// The rows' new keys and values are written into the cache at their slots; query t of row i
+// (slot p = start_i + t) attends to that row's keys at slots 0..p, or to those of them its
+// mask shows (a token tree's: the cached prefix, its ancestors and itself; the rotary
+// positions come with cos and sin, so they need not be the slots). The block computes in
 // float32 whatever the model's dtype: its input, norm weights and rotary tables are read as
 // float32, its output is returned in the input's dtype and keys and values are stored in the
 // cache's (a bfloat16 model's block so rounds at its ends and at its products' inputs only,
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -119,11 +122,15 @@ struct Bf16Kernel {
 // The block's linear layers, in the order of params after the two norms.
 enum Layer { kQ, kK, kV, kO, kGate, kUp, kDown, kLayers };
 
-// The rows' tokens, their projections and where they go in the cache.
+// The rows' tokens, their projections, where they go in the cache and which keys they see:
+// query t of row i sees slot j <= starts[i] + t where mask[(i * count + t) * span + j] (every
+// such slot when mask is null).
 struct Tokens {
   int64_t b, count, heads, kv_heads, d;
   const std::vector<int64_t>& rows;
   const std::vector<int64_t>& starts;
+  const bool* mask;
+  int64_t span;
 };
 
 // Rotary embeddings on q and k [m, heads | kv_heads, d] in place, then k and v into the
@@ -162,8 +169,34 @@ const float* as_floats(const T* row, int64_t n, int64_t d, std::vector<float>& c
   }
 }
 
+// out [d] = sum_j softmax_j(<query, keys[j]> scale) values[j] over the slots j < visible, or
+// over those of them `seen` shows when kMasked (the causal path tests nothing per slot).
+template <bool kMasked>
+void attend_query(const float* query, const float* keys, const float* values, int64_t visible,
+                  const bool* seen, int64_t d, float scale, std::vector<float>& scores,
+                  float* out) {
+  scores.assign(visible, 0.0f);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    if constexpr (kMasked) if (!seen[j]) continue;
+    scores[j] = dot(query, keys + j * d, d) * scale;
+    top = std::max(top, scores[j]);
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < visible; ++j) {
+    if constexpr (kMasked) if (!seen[j]) continue;
+    total += scores[j] = std::exp(scores[j] - top);
+  }
+  std::fill_n(out, d, 0.0f);
+  for (int64_t j = 0; j < visible; ++j) {
+    if constexpr (kMasked) if (!seen[j]) continue;
+    const float weight = scores[j] / total;
+    for (int64_t c = 0; c < d; ++c) out[c] += weight * values[j * d + c];
+  }
+}
+
 // attended [m, heads, d]: query t of row i, head h, over key/value head h / group of row i.
-template <typename T>
+template <bool kMasked, typename T>
 void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value_cache,
             int64_t capacity, float* attended) {
   const int64_t d = tk.d, group = tk.heads / tk.kv_heads;
@@ -177,22 +210,10 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
       const float* values = as_floats(value_cache + first, seen, d, value_copy);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t t = 0; t < tk.count; ++t) {
-          const int64_t r = i * tk.count + t, visible = tk.starts[i] + t + 1;
-          const float* query = q + (r * tk.heads + h) * d;
-          scores.assign(visible, 0.0f);
-          float top = -INFINITY;
-          for (int64_t j = 0; j < visible; ++j) {
-            scores[j] = dot(query, keys + j * d, d) * scale;
-            top = std::max(top, scores[j]);
-          }
-          float total = 0.0f;
-          for (int64_t j = 0; j < visible; ++j) total += scores[j] = std::exp(scores[j] - top);
-          float* out = attended + (r * tk.heads + h) * d;
-          std::fill_n(out, d, 0.0f);
-          for (int64_t j = 0; j < visible; ++j) {
-            const float weight = scores[j] / total;
-            for (int64_t c = 0; c < d; ++c) out[c] += weight * values[j * d + c];
-          }
+          const int64_t r = i * tk.count + t;
+          const bool* shown = kMasked ? tk.mask + r * tk.span : nullptr;
+          attend_query<kMasked>(q + (r * tk.heads + h) * d, keys, values, tk.starts[i] + t + 1,
+                                shown, d, scale, scores, attended + (r * tk.heads + h) * d);
         }
       }
     }
@@ -210,8 +231,24 @@ void attention(const Tokens& tk, float* q, float* k, const float* v, const torch
     scalar_t* value_cache = values.data_ptr<scalar_t>();
     rotate_and_store(tk, q, k, v, c.data_ptr<float>(), s.data_ptr<float>(), key_cache,
                      value_cache, capacity);
-    attend(tk, q, key_cache, value_cache, capacity, attended);
+    if (tk.mask) {
+      attend<true>(tk, q, key_cache, value_cache, capacity, attended);
+    } else {
+      attend<false>(tk, q, key_cache, value_cache, capacity, attended);
+    }
   });
+}
+
+// The mask's entries [b, count, S'] (null when there is none), checked to cover every slot a
+// query may see.
+const bool* mask_of(const std::optional<torch::Tensor>& mask, int64_t b, int64_t count,
+                    const std::vector<int64_t>& starts) {
+  if (!mask) return nullptr;
+  const int64_t seen = *std::max_element(starts.begin(), starts.end()) + count;
+  TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 3 &&
+                  mask->size(0) == b && mask->size(1) == count && mask->size(2) >= seen,
+              "mask must be a contiguous bool [b, T, S'] tensor covering every row's slots");
+  return mask->data_ptr<bool>();
 }
 
 // The block for a Kernel's layers (arguments: see block.h).
@@ -220,6 +257,7 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
                             const torch::Tensor& sin, const torch::Tensor& keys,
                             const torch::Tensor& values, const std::vector<int64_t>& rows,
                             const std::vector<int64_t>& starts,
+                            const std::optional<torch::Tensor>& mask,
                             const std::vector<torch::Tensor>& params, double eps, int64_t heads,
                             int64_t kv_heads) {
   TORCH_CHECK(x.dim() == 3 && x.is_floating_point(), "x must be a float [b, T, E] tensor");
@@ -233,7 +271,8 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   const torch::Tensor input = x.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0), count = x.size(1), e = x.size(2), m = b * count, d = keys.size(3);
   const int64_t inner = w[kGate].outputs();
-  const Tokens tokens{b, count, heads, kv_heads, d, rows, starts};
+  const Tokens tokens{b, count, heads, kv_heads, d, rows, starts, mask_of(mask, b, count, starts),
+                      mask ? mask->size(2) : 0};
   const float* in = input.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
 

@@ -1,18 +1,21 @@
 // Whole decoder blocks of native layers over the lean KV cache (block.cpp): x [b, T, E];
 // cos, sin [b, 1, T, D]; keys, values: the layer's cache [B, H_kv, S, D]; rows[i], starts[i]:
-// row i's cache row and first position; params: the two norm weights (float32), then each of
-// q, k, v, o, gate, up, down as its kernel holds it.
+// row i's cache row and first slot; mask: which slots each query sees, bool [b, T, S'] (a
+// token tree's), or none: query t of row i sees slots 0..starts[i] + t (causal); params: the
+// two norm weights (float32), then each of q, k, v, o, gate, up, down as its kernel holds it.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 using DecoderBlock = torch::Tensor(const torch::Tensor& x, const torch::Tensor& cos,
                                    const torch::Tensor& sin, const torch::Tensor& keys,
                                    const torch::Tensor& values, const std::vector<int64_t>& rows,
                                    const std::vector<int64_t>& starts,
+                                   const std::optional<torch::Tensor>& mask,
                                    const std::vector<torch::Tensor>& params, double eps,
                                    int64_t heads, int64_t kv_heads);
 

@@ -20,6 +20,8 @@ PREFIX = "cactus_"
 DEFAULT_KEY = "cactus_spec"
 #: Spec keys vLLM owns: K is num_speculative_tokens, the drafter its method.
 _VLLM_OWNED = ("num_draft_tokens", "drafter")
+#: Spec keys of the engine's own verifiers (blocks, trees): vLLM verifies chains.
+_CHAINS_ONLY = ("verification", "branches")
 
 
 def default_spec(additional_config: Mapping | None) -> DecodeSpec | None:
@@ -50,12 +52,13 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
                 f"{prefix}{key} does not apply in vLLM: the draft length and the drafter are "
                 "the server's --speculative-config"
             )
-    if "verification" in values:
-        raise ValueError(
-            f"{prefix}verification does not apply in vLLM: its rejection sampler verifies "
-            "chains token by token"
-        )
-    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "verification")]
+    for key in _CHAINS_ONLY:
+        if key in values:
+            raise ValueError(
+                f"{prefix}{key} does not apply in vLLM: its rejection sampler verifies "
+                "chains token by token"
+            )
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, *_CHAINS_ONLY)]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
