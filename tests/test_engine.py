@@ -187,7 +187,9 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
     return counts
 
 
-@pytest.mark.parametrize(("verification", "k"), [("chain", 2), ("block", 2), ("chain", "auto")])
+@pytest.mark.parametrize(
+    ("verification", "k"), [("chain", 2), ("block", 2), ("tree", 2), ("chain", "auto")]
+)
 def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification, k) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)  # overlaps the target, but differs
@@ -207,7 +209,10 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verif
     assert negative < 1e-6  # negative control: the same test can fail
 
 
-def test_cactus_on_blocks_emits_its_target_and_meters_at_most_delta_per_position() -> None:
+@pytest.mark.parametrize("verification", ["block", "tree"])
+def test_cactus_on_blocks_and_trees_emits_its_target_and_meters_at_most_delta_per_position(
+    verification: str,
+) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
@@ -216,7 +221,7 @@ def test_cactus_on_blocks_emits_its_target_and_meters_at_most_delta_per_position
         q0 = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
         p0 = logits_to_probs(draft(torch.tensor([prompt])).logits[0, -1], sampling)
     t0 = kl_target(q0, p0, delta)
-    spec = DecodeSpec.of("cactus", delta=delta, num_draft_tokens=2, verification="block")
+    spec = DecodeSpec.of("cactus", delta=delta, num_draft_tokens=2, verification=verification)
     decoder = SpeculativeDecoder(target, draft, spec)
     firsts: dict = {}
     for pair, count in sampled_pairs(decoder, prompt, runs, sampling).items():

@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 from test_lean import make_tiny_qwen2
+from test_native_block import KINDS
 
 from cactus_spec.backends import native
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.backends.native_block import NativeBlock
-from cactus_spec.backends.packed import NativeBf16Linear
 from cactus_spec.backends.quant import quantize
 
 #: Two rows' trees, each fed in two calls: (tokens, parents) per call, parents indexing the
@@ -148,18 +148,8 @@ def test_smollm2_negative_control_a_causal_mask_over_the_nodes_differs(smollm2) 
     assert max(gaps) > 100 * TOLERANCE["float32"]
 
 
-NATIVE_KINDS = [
-    "int8",
-    "int4",
-    pytest.param(
-        "bf16",
-        marks=pytest.mark.skipif(not NativeBf16Linear.available(), reason="no native bf16 here"),
-    ),
-]
-
-
 @pytest.mark.skipif(not native.available(), reason="the native kernels could not be built here")
-@pytest.mark.parametrize("kind", NATIVE_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_native_blocks_of_every_kind_give_tree_nodes_their_paths_logits(kind) -> None:
     model = make_tiny_qwen2()
     model = quantize(model, kind) if kind != "bf16" else model.bfloat16()
