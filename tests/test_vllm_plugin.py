@@ -46,6 +46,7 @@ def test_nothing_asked_is_the_default_and_no_default_is_vllms_own() -> None:
         ({"cactus_num_draft_tokens": 4}, "cactus_num_draft_tokens does not apply in vLLM"),
         ({"cactus_drafter": "ngram"}, "cactus_drafter does not apply in vLLM"),
         ({"cactus_verification": "block"}, "cactus_verification does not apply in vLLM"),
+        ({"cactus_branches": 2}, "cactus_branches does not apply in vLLM"),
         ({"cactus_method": "ar"}, "cactus_method ar does not apply in vLLM"),
         ({"cactus_foo": 1}, "unknown key cactus_foo; the keys are cactus_method"),
     ],
