@@ -24,6 +24,7 @@ blocks. At temperature 0 a node keeps the child equal to argmax q, if any (equal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -71,12 +72,8 @@ class TokenTree:
         return kids
 
     def path(self, node: int) -> list[int]:
-        """The nodes from the root's first child down to ``node`` (empty for ``ROOT``)."""
-        nodes = []
-        while node != ROOT:
-            nodes.append(node)
-            node = self.parents[node]
-        return nodes[::-1]
+        """The nodes from the root's child down to ``node`` (empty for ``ROOT``)."""
+        return path_to(self.parents, node)
 
     def depth(self) -> int:
         """The longest path's number of nodes."""
@@ -85,6 +82,15 @@ class TokenTree:
     def inner(self) -> list[int]:
         """The nodes with children, ``ROOT`` first (where a token is judged and emitted)."""
         return [node for node, kids in self.children.items() if kids]
+
+
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node``, given each node's parent."""
+    nodes = []
+    while node != ROOT:
+        nodes.append(node)
+        node = parents[node]
+    return nodes[::-1]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.sampling import SamplingConfig, draw, logits_to_probs
-from cactus_spec.core.tree_verification import ROOT, TokenTree, sample_distinct
+from cactus_spec.core.tree_verification import ROOT, TokenTree, path_to, sample_distinct
 from cactus_spec.runtime.prefixes import common_prefix_length
 
 
@@ -288,11 +288,7 @@ class _Growing:
 
     def path_tokens(self, node: int) -> list[int]:
         """The tokens from the root's child down to ``node``."""
-        path = []
-        while node != ROOT:
-            path.append(self.tokens[node])
-            node = self.parents[node]
-        return path[::-1]
+        return [self.tokens[j] for j in path_to(self.parents, node)]
 
     def draft(self) -> Draft:
         probs = torch.cat(self.rows) if self.rows else None  # [N, V]
