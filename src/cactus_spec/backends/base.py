@@ -14,6 +14,9 @@ class Backend(Protocol):
     The engine talks to models only through this: it never touches a transformers object.
     """
 
+    #: Whether ``append_tree`` and ``commit_path`` work (token-tree attention).
+    reads_trees: bool
+
     @property
     def vocab_size(self) -> int:
         """Width of the logits `append` returns."""

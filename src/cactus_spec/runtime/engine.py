@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cactus_spec.backends.base import Backend
 from cactus_spec.backends.quant import check_quant
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
@@ -459,7 +460,7 @@ def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
     return given
 
 
-def _check_trees(drafter: Drafter | None, verifier: object) -> None:
+def _check_trees(drafter: Drafter | None, verifier: Backend) -> None:
     """Draft trees need a draft model that samples in the verifier's vocabulary (a cross-
     vocabulary draft proposes one text) and token-tree attention in both models."""
     if not isinstance(drafter, ModelDrafter):
@@ -468,7 +469,7 @@ def _check_trees(drafter: Drafter | None, verifier: object) -> None:
             f"(this engine drafts with {type(drafter).__name__}); use chain or block"
         )
     for name, backend in (("verifier", verifier), ("draft", drafter.backend)):
-        if not getattr(backend, "reads_trees", False):
+        if not backend.reads_trees:
             raise ValueError(
                 f"verification tree needs token-tree attention, which the {name}'s backend "
                 f"({type(backend).__name__}) lacks; use the lean backend (--backend lean)"
