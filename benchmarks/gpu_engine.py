@@ -8,6 +8,8 @@ bfloat16 weights: speed does not depend on the weights' values, acceptance does,
 measures costs, not speedups. Prints, one line each:
 
 - verifier forward of B rows x T tokens (T = 1 and 11) after a 256-token context: ms;
+- verifier forward of B rows x a draft tree of N nodes (``branches`` chains of 6 from the
+  root, as ``verification = "tree"`` drafts them; N = 12, 24, 48) with its tree mask: ms;
 - one draft step over B rows: ms, and c = draft step / verifier step at the same B;
 - batched autoregressive decoding through the engine's rows, B rows x 128 new tokens: tokens/s;
 - Hugging Face ``generate`` (greedy, static shapes off) at B = 1 for comparison: tokens/s.
@@ -52,6 +54,24 @@ def forward_ms(backend, tokens: int, rows: int) -> float:
         times.append(time.perf_counter() - start)
         for row in range(rows):
             backend.rollback(CONTEXT, row)
+    backend.reset()
+    return 1000 * min(times)
+
+
+def tree_ms(backend, branches: int, rows: int, depth: int = 6) -> float:
+    """One forward of ``branches`` chains of ``depth`` nodes from the root in each row."""
+    parents = [j - 1 if j % depth else -1 for j in range(branches * depth)]
+    for row in range(rows):
+        backend.append_ragged([[1] * CONTEXT], [row], last_only=True)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        backend.append_tree([[2] * len(parents)] * rows, [parents] * rows, list(range(rows)))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        for row in range(rows):
+            backend.commit_path([], row)
     backend.reset()
     return 1000 * min(times)
 
@@ -101,6 +121,10 @@ def main() -> None:
             f"B={rows:>2}: verifier T=1 {one:6.2f} ms, T=11 {block:6.2f} ms "
             f"(v = {block / one:.2f}); draft step {step:6.2f} ms (c = {step / one:.2f})"
         )
+    for rows in (1, 8):
+        one = forward_ms(v_backend, 1, rows)
+        trees = ", ".join(f"N={6 * b} {tree_ms(v_backend, b, rows):6.2f} ms" for b in (2, 4, 8))
+        print(f"B={rows:>2}: verifier on draft trees: {trees} (T=1 {one:6.2f} ms)")
     del v_backend, d_backend
     engine = SpeculativeDecoder(verifier, spec=DecodeSpec.of("ar"), max_batch=max(BATCHES))
     for rows in BATCHES:

@@ -115,23 +115,37 @@ def test_smollm2_tree_nodes_get_their_paths_logits(smollm2, kind) -> None:
     _check_tree_logits(smollm2[kind], kind)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", SMOLLM2_KINDS)
-def test_smollm2_commit_path_then_append_continues_the_path(smollm2, kind) -> None:
-    model = smollm2[kind]
+def _check_commit_path(model: LeanModel, kind: str, prompts=PROMPTS) -> None:
+    """Commit one root-to-leaf path per row, then a plain append continues that path."""
     backend = LeanBackend(model, batch=2)
-    _feed_trees(backend, PROMPTS, TREES)
+    _feed_trees(backend, prompts, TREES)
     kept = [[0, 3, 6, 8], [1, 3, 5]]  # one root-to-leaf path per row
     for row, path in enumerate(kept):
         backend.commit_path(path, row)
-    assert [backend.length_of(row) for row in (0, 1)] == [14, 9]
+    lengths = [len(prompt) + len(path) for prompt, path in zip(prompts, kept, strict=True)]
+    assert [backend.length_of(row) for row in (0, 1)] == lengths
     got = backend.append_ragged([[123], [456]], [0, 1])
     for row, (path, token) in enumerate(zip(kept, [123, 456], strict=True)):
         tokens, parents = _flat(TREES[row])
         kept_path = _paths(parents, tokens)[path[-1]]
-        expected = _chain_logits(model, PROMPTS[row], [kept_path + [token]])[0]
+        expected = _chain_logits(model, prompts[row], [kept_path + [token]])[0]
         assert _gap(got[row][0], expected) < TOLERANCE[kind]
-    assert [backend.length_of(row) for row in (0, 1)] == [15, 10]
+    assert [backend.length_of(row) for row in (0, 1)] == [n + 1 for n in lengths]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", SMOLLM2_KINDS)
+def test_smollm2_commit_path_then_append_continues_the_path(smollm2, kind) -> None:
+    _check_commit_path(smollm2[kind], kind)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_attention_and_commit_path_on_cuda() -> None:
+    """The same two checks with the lean backend's torch attention on a GPU."""
+    model = LeanModel(make_tiny_lm(vocab_size=512).cuda())
+    prompts = [[3, 17, 42, 8, 99, 1, 5], [6, 7, 8]]
+    _check_tree_logits(model, "float32", prompts)
+    _check_commit_path(model, "float32", prompts)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ and Cactus trees are checked beside chains and blocks in ``test_engine``.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tiny_lm
 from test_engine import (
     PROMPT,
@@ -35,6 +36,17 @@ def test_greedy_tree_equals_verifier_greedy(k: int, branches: int) -> None:
     result = decoder.generate(PROMPT, max_new_tokens=40, temperature=0)
     assert result.token_ids == reference_greedy(target, PROMPT, 40)
     assert 0 < result.stats.accepted < result.stats.drafted  # both paths exercised
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_tree_equals_verifier_greedy_on_cuda() -> None:
+    target = make_tiny_lm()
+    draft = noisy_copy(target, 0.3, seed=1)
+    expected = reference_greedy(target, PROMPT, 40)  # on the CPU, before the engine moves it
+    decoder = SpeculativeDecoder(target, draft, tree(k=4, branches=2), device="cuda")
+    result = decoder.generate(PROMPT, max_new_tokens=40, temperature=0)
+    assert result.token_ids == expected
+    assert 0 < result.stats.accepted < result.stats.drafted
 
 
 def test_a_wider_tree_keeps_more_of_a_greedy_draft() -> None:

@@ -51,20 +51,25 @@ def _rows(tables: list[Tensor], prefixes: list[tuple[int, ...]], parents: bool) 
     return torch.stack([tables[len(pre)][pre] for pre in prefixes])
 
 
-def _two_tokens(rule: Rule, widths: tuple[int, int], seed: int) -> tuple[Tensor, Tensor]:
+def _two_tokens(
+    rule: Rule, widths: tuple[int, int], seed: int, device: str = "cpu"
+) -> tuple[Tensor, Tensor]:
     """Counts [V, V] of the first two emitted tokens over N trees, and the rule's law: the
     second token comes from the tree, or, after one token, from the law a fresh iteration
     emits (the rule's target after the first token). The inner nodes' rows are the rule's
-    targets, computed once per prefix (``judged_rows`` computes the same per tree)."""
+    targets, computed once per prefix (``judged_rows`` computes the same per tree). On
+    ``device`` the trees are judged with a generator of that device's own."""
     p, q = _tables(seed)
     target = [kl_target(q[j], p[j], rule.delta) if not rule.lossless else q[j] for j in (0, 1)]
     judged = [*target, q[2]]
     counts = torch.zeros(V, V, dtype=torch.long)
     g = torch.Generator().manual_seed(seed + 1)
+    judge = g if device == "cpu" else torch.Generator(device).manual_seed(seed + 2)
     for _ in range(N):
         tree, prefixes = _tree(p, widths, g)
         qs = torch.cat([target[0][None], _rows(judged, prefixes, parents=False)])  # [N+1, V]
-        result = verify_tree(tree, qs, _rows(p, prefixes, parents=True), g)
+        rows = _rows(p, prefixes, parents=True)  # [N, V]
+        result = verify_tree(tree, qs.to(device), rows.to(device), judge)
         x = result.tokens[0]
         y = result.tokens[1] if len(result.tokens) > 1 else _draw(target[1][x], g)
         counts[x, y] += 1
@@ -78,6 +83,12 @@ def _draw(row: Tensor, g: torch.Generator) -> int:
 @pytest.mark.parametrize("widths", [(2, 2), (3, 1)])
 def test_sps_tree_emits_the_verifiers_law(widths):
     counts, law = _two_tokens(SpS(), widths, seed=3)
+    assert binomial_violations(counts.flatten(), law.flatten()) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sps_tree_emits_the_verifiers_law_on_cuda():
+    counts, law = _two_tokens(SpS(), (2, 2), seed=3, device="cuda")
     assert binomial_violations(counts.flatten(), law.flatten()) == []
 
 
