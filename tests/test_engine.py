@@ -188,7 +188,7 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
 
 
 @pytest.mark.parametrize(
-    ("verification", "k"), [("chain", 2), ("block", 2), ("tree", 2), ("chain", "auto")]
+    ("verification", "k"), [("chain", 2), ("block", 2), ("tree", 2), ("tree", 3), ("chain", "auto")]
 )
 def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification, k) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
@@ -197,7 +197,7 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verif
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
     sps_spec = DecodeSpec.of("sps", num_draft_tokens=k, verification=verification)
-    sps = SpeculativeDecoder(target, draft, sps_spec, max_draft_tokens=2)
+    sps = SpeculativeDecoder(target, draft, sps_spec, max_draft_tokens=2 if k == "auto" else k)
     if k == "auto":  # drafting pays and stops where the draft is unsure (no timing here)
         sps._policy = SpeculationPolicy(2)
         sps._policy.draft.observe(1, 0.01)

@@ -15,10 +15,13 @@ from test_engine import (
 )
 from test_smollm import assert_same_greedy_tokens, smollm  # noqa: F401 (a fixture)
 
+from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.core.penalties import Penalties
+from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.fetch import fetch
 from cactus_spec.loading.models import load_model
+from cactus_spec.runtime.drafters import DraftRequest, ModelDrafter, tree_widths
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 
@@ -58,6 +61,41 @@ def test_a_wider_tree_keeps_more_of_a_greedy_draft() -> None:
         stats = decoder.generate(PROMPT, max_new_tokens=60, temperature=0).stats
         kept.append(stats.accepted / stats.iterations)
     assert kept[1] > kept[0]
+
+
+def test_tree_widths_are_the_largest_gains() -> None:
+    """Against every (node, rank) gain sorted by brute force, zero scores included."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        nodes, budget = (
+            int(torch.randint(1, 5, (1,), generator=g)),
+            int(torch.randint(1, 6, (1,), generator=g)),
+        )
+        scores = torch.rand(nodes, 6, generator=g) * (torch.rand(nodes, 6, generator=g) > 0.3)
+        scores = scores / scores.sum(-1, keepdim=True).clamp_min(1e-9)  # [F, V]
+        values = torch.rand(nodes, generator=g).tolist()
+        gains = [(v * s, f) for f, v in enumerate(values) for s in scores[f].tolist() if s > 0]
+        best = sorted(gains, reverse=True)[:budget]
+        expected = [sum(f == node for _, f in best) for node in range(nodes)]
+        assert tree_widths(values, scores, budget) == expected
+
+
+def test_a_drafted_tree_gives_its_width_to_likely_paths() -> None:
+    """At most ``branches`` nodes per depth; below the first depth some node gets several
+    children while some branch gets none (not a fixed shape)."""
+    drafter = ModelDrafter(LeanBackend(LeanModel(make_tiny_lm(seed=1))), 128)
+    wide = pruned = False
+    for seed in range(8):
+        request = DraftRequest(0, PROMPT + [seed], 4, SamplingConfig(temperature=1.5),
+                               torch.Generator().manual_seed(seed), branches=3)  # fmt: skip
+        draft = drafter.propose([request])[0]
+        tree = draft.tree
+        depths = [len(tree.path(j)) for j in range(len(tree.tokens))]
+        assert max(depths) <= 4 and all(depths.count(d) <= 3 for d in depths)
+        inner = [j for j in range(len(tree.tokens)) if 1 <= depths[j] < max(depths)]
+        wide |= any(len(tree.children.get(j, [])) > 1 for j in inner)
+        pruned |= any(not tree.children.get(j) for j in inner)
+    assert wide and pruned
 
 
 def test_penalties_read_each_nodes_own_path() -> None:

@@ -71,13 +71,13 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         "--verification",
         choices=VERIFICATIONS,
         help="how drafts are judged: chain (token by token, default), block (the chain as "
-        "a whole: more tokens kept) or tree (--branches candidates at the first position, each "
-        "continued by a chain, in one verifier forward); block and tree: methods sps, cactus",
+        "a whole: more tokens kept) or tree (up to --branches nodes per depth, given to the "
+        "likeliest paths, in one verifier forward); block and tree: methods sps, cactus",
     )
     p.add_argument(
         "--branches",
         type=int,
-        help="a tree's distinct candidates at the first position (--verification tree; default 2)",
+        help="a tree's nodes per depth (--verification tree; default 2)",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]

@@ -19,7 +19,7 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
 ``drafter``, ``verification`` (``chain``, ``block`` or ``tree``:
-``sps:verification=chain,block``) or ``branches`` (a tree's candidates at the first position:
+``sps:verification=chain,block``) or ``branches`` (a tree's nodes per depth:
 ``sps:verification=tree:branches=2,4``), overriding the defaults for that entry (K ``auto``
 leaves the draft length to the engine's policy: per iteration, and stopped inside it by the
 draft's confidence), ``draft`` (a draft model other than the run's ``--draft``, by name or
@@ -72,7 +72,7 @@ class Config:
     verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
     verification: str = "chain"  # how the engine judges drafts (core.spec.VERIFICATIONS)
     draft: str | None = None  # another draft model (name or path); None: the run's --draft
-    branches: int = 1  # a tree's candidates at the first position (1 unless a tree)
+    branches: int = 1  # a tree's nodes per depth (1 unless a tree)
 
     @property
     def drafts(self) -> bool:
@@ -100,7 +100,7 @@ class Config:
     def id(self) -> str:
         """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
         drafter for another draft model, ``/block`` appended for block verification,
-        ``/tree2`` for trees of two first candidates, ``@int8`` for an int8 verifier)."""
+        ``/tree2`` for trees of two nodes per depth, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
@@ -127,7 +127,7 @@ class Config:
 
     @property
     def _judged(self) -> str:
-        """``block``, ``tree2`` (two first candidates), ... or ``chain``."""
+        """``block``, ``tree2`` (two nodes per depth), ... or ``chain``."""
         return f"tree{self.branches}" if self.verification == "tree" else self.verification
 
     def as_dict(self) -> dict:
@@ -263,7 +263,7 @@ def expand(
     verifier formats of entries that name none (llama.cpp's always run the GGUF);
     ``verifications``: how the engine's drafting entries that name none judge drafts
     (None: chain); ``drafts``: their draft models (None: the run's); ``branches``: their
-    trees' first candidates (None: the default, for trees)."""
+    trees' nodes per depth (None: the default, for trees)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:

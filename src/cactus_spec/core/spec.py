@@ -16,9 +16,9 @@ value is converted, checked and its error worded in one place:
 - ``verification``: how drafts are judged, one of ``VERIFICATIONS``: ``chain``, token by
   token (every rule); ``block``, the chain as a whole (``core.block_verification``; rules with
   a target per position: sps, and cactus with its KL budget spent per position); or ``tree``,
-  a draft tree of ``branches`` distinct candidates at the first position, each continued by a
-  chain, all verified in one forward (``core.tree_verification``; the same rules).
-- ``branches``: the tree's candidates at the first position, an integer >= 1 (tree only).
+  a draft tree of up to ``branches`` nodes at each depth, given to the likeliest paths, all
+  verified in one forward (``core.tree_verification``; the same rules).
+- ``branches``: the tree's nodes per depth, an integer >= 1 (tree only).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -50,7 +50,7 @@ AUTO_K = "auto"
 #: How drafts are judged: a chain token by token, a chain as a block, or a draft tree (the last
 #: two for rules with a target per position).
 VERIFICATIONS = ("chain", "block", "tree")
-#: A tree's candidates at the first position when none is given.
+#: A tree's nodes per depth when none is given.
 DEFAULT_BRANCHES = 2
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
 SPEC_KEYS = (
@@ -71,7 +71,7 @@ class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
     filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
     ``drafter`` (None for ``ar``), ``verification`` (None for ``ar``) and ``branches`` (a
-    tree's candidates at the first position; 1 unless it verifies trees). Build one with
+    tree's nodes per depth; 1 unless it verifies trees). Build one with
     ``parse_spec`` or ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
@@ -252,7 +252,7 @@ def _verification(
 def _branches(
     value: object, verification: str, text: bool, label: Callable[[str], str], base: DecodeSpec
 ) -> int:
-    """A tree's candidates at the first position: the value given (checked), else the base's
+    """A tree's nodes per depth: the value given (checked), else the base's
     tree's, else ``DEFAULT_BRANCHES``; 1 for chains and blocks, which take no value."""
     if verification != "tree":
         if value is not None:

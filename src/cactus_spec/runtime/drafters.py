@@ -3,9 +3,9 @@
 A drafter sees the whole token context (prompt and output so far) and proposes
 up to K next tokens, with their draft distributions ``p`` [K, V] when it samples
 them, or ``None`` when its drafts are deterministic (``p`` one-hot). A model drafter
-proposes a draft tree when asked for ``branches`` > 1: that many distinct candidates at
-the first position, drawn without replacement, each continued by a chain
-(``core.tree_verification``). The engine
+proposes a draft tree when asked for ``branches`` > 1: up to that many nodes at each depth,
+the candidates of a node drawn from p without replacement, the nodes of the next depth given
+to the likeliest paths (``tree_widths``; ``core.tree_verification`` judges them). The engine
 knows drafters only through ``Drafter``; a new drafter (layer skipping, trained
 heads) is a new class here, with no change to the decode loop.
 """
@@ -54,8 +54,8 @@ class DraftRequest:
     ``generator`` from ``process(logits [1, V], drafts so far)`` (the row's penalties and
     sampling; default: ``sampling`` alone). ``keep_drafting(confidences)``, given the draft's
     probability of each token it drew so far, says whether to draw another (default:
-    always, up to ``num_draft_tokens``). ``branches`` > 1 asks for a draft tree: that many
-    distinct candidates at the first position, each continued to depth ``num_draft_tokens``."""
+    always, up to ``num_draft_tokens``). ``branches`` > 1 asks for a draft tree of depth
+    ``num_draft_tokens`` with up to ``branches`` nodes at each depth (``tree_widths``)."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
@@ -114,8 +114,10 @@ class ModelDrafter:
 
     A draft tree is drafted depth by depth, every node of a depth in one forward of the
     backend's token-tree attention (``Backend.append_tree``), K forwards in all as for a
-    chain; the fed nodes stay in the cache as a tree until the next proposal, which keeps the
-    path the verifier accepted (``Backend.commit_path``).
+    chain; each depth's ``branches`` nodes go to the frontier's likeliest continuations
+    (``tree_widths``), decided before they are drawn. The fed nodes stay in the cache as a
+    tree until the next proposal, which keeps the path the verifier accepted
+    (``Backend.commit_path``).
     """
 
     def __init__(self, backend: Backend, vocab_size: int, head: Tensor | None = None) -> None:
@@ -185,7 +187,7 @@ class ModelDrafter:
             tree.see(ROOT, self._full_row(row_logits))
         for depth in range(max(r.num_draft_tokens for r in requests)):
             growing = [t for t in trees if depth < t.request.num_draft_tokens and t.frontier]
-            fresh = [(t, t.grow(depth)) for t in growing]
+            fresh = [(t, t.grow()) for t in growing]
             fed = [(t, nodes) for t, nodes in fresh if depth + 1 < t.request.num_draft_tokens]
             for t, _ in fed:
                 t.fed = len(t.tokens)  # every node so far: each depth is read whole
@@ -247,29 +249,38 @@ class ModelDrafter:
 
 class _Growing:
     """A draft tree being drafted for one request: its nodes, the draft's row each was drawn
-    from, and its frontier (the newest nodes, with the draft's logits and row after each)."""
+    from, each node's path value (the draft's probability of its path) and its frontier (the
+    newest nodes, with the draft's logits, row and scores after each)."""
 
     def __init__(self, request: DraftRequest) -> None:
         self.request = request
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.rows: list[Tensor] = []  # [1, V] each
-        self.frontier: list[tuple[int, Tensor, Tensor]] = []  # node, logits, p [1, V] each
+        self.values: dict[int, float] = {ROOT: 1.0}
+        self.frontier: list[tuple[int, Tensor, Tensor, Tensor]] = []  # node, logits, p, scores
         self.fed = 0  # nodes the draft's cache has read
 
     def see(self, node: int, logits: Tensor) -> None:
-        """Add ``node`` to the frontier with the draft's logits [1, V] after it."""
+        """Add ``node`` to the frontier with the draft's logits [1, V] after it. Its scores
+        are p, or at temperature 0 (p one-hot) the draft's softmax, which ranks its
+        runners-up."""
         probs = self.request.probs(logits, self.path_tokens(node))  # [1, V]
-        self.frontier.append((node, logits, probs))
+        greedy = self.request.sampling.greedy
+        scores = torch.softmax(logits.float(), dim=-1) if greedy else probs  # [1, V]
+        self.frontier.append((node, logits, probs, scores))
 
-    def grow(self, depth: int) -> list[int]:
-        """Draw the children of every frontier node (``branches`` distinct ones at depth 0,
-        one after); the new nodes."""
-        width = self.request.branches if depth == 0 else 1
+    def grow(self) -> list[int]:
+        """Draw the children of the frontier's nodes, ``tree_widths`` of them each; the new
+        nodes."""
+        values = [self.values[node] for node, *_ in self.frontier]
+        scores = torch.cat([s for *_, s in self.frontier])  # [F, V]
+        widths = tree_widths(values, scores, self.request.branches)
         fresh = []
-        for node, logits, probs in self.frontier:
+        for (node, logits, probs, score), width in zip(self.frontier, widths, strict=True):
             for token in self._children(logits[0], probs[0], width):
                 fresh.append(len(self.tokens))
+                self.values[fresh[-1]] = self.values[node] * float(score[0, token])
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.rows.append(probs)
@@ -280,6 +291,8 @@ class _Growing:
         """``width`` distinct tokens drawn from p [V]; at temperature 0 (p one-hot) its mode,
         then the next most likely by the draft's logits [V] (greedy verification keeps a
         child only if it is the verifier's choice: any candidate is exact)."""
+        if width == 0:
+            return []
         if not self.request.sampling.greedy:
             return sample_distinct(probs, width, self.request.generator, greedy=False)
         mode = int(probs.argmax())
@@ -293,6 +306,22 @@ class _Growing:
     def draft(self) -> Draft:
         probs = torch.cat(self.rows) if self.rows else None  # [N, V]
         return Draft(self.tokens, probs, tuple(self.parents))
+
+
+def tree_widths(values: Sequence[float], scores: Tensor, budget: int) -> list[int]:
+    """How many children each frontier node gets: the ``budget`` largest gains
+    v_f * s_f(j) over frontier nodes f and ranks j, where v_f is f's path value and s_f(j)
+    the j-th largest of its scores [F, V] (a zero gain is never picked).
+
+    The j-th child's gain estimates the chance that the verifier walks into it. The widths
+    depend only on nodes already drawn and their rows, never on the children they admit, so
+    each node's children are still drawn from p without replacement, as verification
+    requires: the emitted law is unchanged by the shape (``core.tree_verification``)."""
+    top = scores.topk(min(budget, scores.shape[-1]), dim=-1).values  # [F, b]
+    gains = (torch.tensor(values, dtype=top.dtype, device=top.device)[:, None] * top).flatten()
+    picked = gains.topk(min(budget, gains.numel())).indices  # [b]
+    picked = picked[gains[picked] > 0]
+    return torch.bincount(picked // top.shape[1], minlength=len(values)).tolist()
 
 
 def _drafts_more(request: DraftRequest, confidences: list[float]) -> bool:

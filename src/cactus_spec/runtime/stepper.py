@@ -15,8 +15,8 @@ iteration
    neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
 
-A row verifying draft trees gets a tree from the drafter (``branches`` candidates at the first
-position); when any row of the batch has one, the verifier reads every row as a token tree
+A row verifying draft trees gets a tree from the drafter (up to ``branches`` nodes per depth);
+when any row of the batch has one, the verifier reads every row as a token tree
 (a chain is a tree; ``Backend.append_tree``), each row's nodes are judged by
 ``verify_tree``, and its cache keeps the accepted path (``Backend.commit_path``).
 
