@@ -42,38 +42,43 @@ def random_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
-def forward_ms(backend, tokens: int, rows: int) -> float:
+def least_ms(backend, rows: int, feed, undo) -> float:
+    """The least of five timed ``feed()`` calls after a CONTEXT-token prefix in each of
+    ``rows`` rows, ``undo(row)`` after each."""
     for row in range(rows):
         backend.append_ragged([[1] * CONTEXT], [row], last_only=True)
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        backend.append_ragged([[1] * tokens for _ in range(rows)], list(range(rows)))
+        feed()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         for row in range(rows):
-            backend.rollback(CONTEXT, row)
+            undo(row)
     backend.reset()
     return 1000 * min(times)
+
+
+def forward_ms(backend, tokens: int, rows: int) -> float:
+    """One forward of ``tokens`` tokens in each row."""
+    ids, at = [[1] * tokens for _ in range(rows)], list(range(rows))
+    return least_ms(
+        backend,
+        rows,
+        lambda: backend.append_ragged(ids, at),
+        lambda row: backend.rollback(CONTEXT, row),
+    )
 
 
 def tree_ms(backend, branches: int, rows: int, depth: int = 6) -> float:
     """One forward of ``branches`` chains of ``depth`` nodes from the root in each row."""
     parents = [j - 1 if j % depth else -1 for j in range(branches * depth)]
-    for row in range(rows):
-        backend.append_ragged([[1] * CONTEXT], [row], last_only=True)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        backend.append_tree([[2] * len(parents)] * rows, [parents] * rows, list(range(rows)))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        for row in range(rows):
-            backend.commit_path([], row)
-    backend.reset()
-    return 1000 * min(times)
+    ids, at = [[2] * len(parents)] * rows, list(range(rows))
+    return least_ms(
+        backend, rows, lambda: backend.append_tree(ids, [parents] * rows, at),
+        lambda row: backend.commit_path([], row),
+    )  # fmt: skip
 
 
 def ar_tokens_per_s(engine: SpeculativeDecoder, rows: int, new: int) -> float:
