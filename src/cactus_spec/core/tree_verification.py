@@ -121,15 +121,12 @@ def verify_tree(
     draft_probs: Tensor,  # [N, V]: row j the draft's row node j was drawn from
     generator: torch.Generator | None = None,
     greedy: bool = False,
-    rule: Rule | None = None,
 ) -> TreeResult:
     """Walk the tree from the root, keeping one child per node by recursive rejection sampling
-    (module docstring) and emitting one token where it stops. ``rule`` (default SpS) names the
-    target of the inner nodes, its ``block_target``; the leaves' rows stay q. Random numbers:
-    one uniform per child judged, one for the emitted token (none when ``greedy``)."""
+    (module docstring) and emitting one token where it stops. ``verifier_probs`` are the
+    targets: q for SpS, ``judged_rows`` for a lossy rule. Random numbers: one uniform per
+    child judged, one for the emitted token (none when ``greedy``)."""
     rows = verifier_probs.float()
-    if rule is not None and not rule.lossless and not greedy:
-        rows = judged_rows(tree, rows, draft_probs, rule)
     node, path = ROOT, []
     while True:
         kids, target = tree.children[node], rows[node + 1]  # [V]

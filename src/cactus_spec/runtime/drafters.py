@@ -258,7 +258,7 @@ class _Growing:
         self.parents: list[int] = []
         self.rows: list[Tensor] = []  # [1, V] each
         self.values: dict[int, float] = {ROOT: 1.0}
-        self.frontier: list[tuple[int, Tensor, Tensor, Tensor]] = []  # node, logits, p, scores
+        self.frontier: list[tuple[int, Tensor, Tensor]] = []  # node, p, scores [1, V] each
         self.fed = 0  # nodes the draft's cache has read
 
     def see(self, node: int, logits: Tensor) -> None:
@@ -268,7 +268,7 @@ class _Growing:
         probs = self.request.probs(logits, self.path_tokens(node))  # [1, V]
         greedy = self.request.sampling.greedy
         scores = torch.softmax(logits.float(), dim=-1) if greedy else probs  # [1, V]
-        self.frontier.append((node, logits, probs, scores))
+        self.frontier.append((node, probs, scores))
 
     def grow(self) -> list[int]:
         """Draw the children of the frontier's nodes, ``tree_widths`` of them each; the new
@@ -277,8 +277,8 @@ class _Growing:
         scores = torch.cat([s for *_, s in self.frontier])  # [F, V]
         widths = tree_widths(values, scores, self.request.branches)
         fresh = []
-        for (node, logits, probs, score), width in zip(self.frontier, widths, strict=True):
-            for token in self._children(logits[0], probs[0], width):
+        for (node, probs, score), width in zip(self.frontier, widths, strict=True):
+            for token in self._children(probs[0], score[0], width):
                 fresh.append(len(self.tokens))
                 self.values[fresh[-1]] = self.values[node] * float(score[0, token])
                 self.tokens.append(token)
@@ -287,16 +287,16 @@ class _Growing:
         self.frontier = []
         return fresh
 
-    def _children(self, logits: Tensor, probs: Tensor, width: int) -> list[int]:
+    def _children(self, probs: Tensor, scores: Tensor, width: int) -> list[int]:
         """``width`` distinct tokens drawn from p [V]; at temperature 0 (p one-hot) its mode,
-        then the next most likely by the draft's logits [V] (greedy verification keeps a
-        child only if it is the verifier's choice: any candidate is exact)."""
+        then the next most likely by the draft's softmax ``scores`` [V] (greedy verification
+        keeps a child only if it is the verifier's choice: any candidate is exact)."""
         if width == 0:
             return []
         if not self.request.sampling.greedy:
             return sample_distinct(probs, width, self.request.generator, greedy=False)
         mode = int(probs.argmax())
-        ranked = logits.topk(min(width + 1, logits.shape[-1])).indices.tolist()
+        ranked = scores.topk(min(width + 1, scores.shape[-1])).indices.tolist()
         return [mode, *(t for t in ranked if t != mode)][:width]
 
     def path_tokens(self, node: int) -> list[int]:

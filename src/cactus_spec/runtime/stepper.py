@@ -178,8 +178,8 @@ class Stepper:
             g.stats.time_verify_s += verify_s
             accepted = len(tokens) - 1
             accepted_counts.append(accepted)
-            if trees:  # the root (the last emitted token) and the accepted nodes
-                self.verifier.commit_path([0, *(j + 1 for j in path)], g.row)
+            if trees:
+                self.verifier.commit_path(_path_rows(path), g.row)
             else:
                 self.verifier.rollback(length + 1 + accepted, g.row)
             count = g.emit(tokens, _emitted_rows(q, draft, path))
@@ -273,12 +273,18 @@ def _verifier_rows(g: Generation, draft: Draft, logits: Tensor) -> Tensor:
     return torch.cat(rows)
 
 
+def _path_rows(path: list[int]) -> list[int]:
+    """The fed positions of a tree's accepted path: the root (the last emitted token, fed
+    first) and node j at j + 1; the verifier's row after each is where a token was emitted."""
+    return [0, *(j + 1 for j in path)]
+
+
 def _emitted_rows(q: Tensor, draft: Draft, path: list[int]) -> Tensor:
     """q's rows [>= len(path) + 1, V] the row's tokens were emitted at: a chain's first ones, a
     tree's root and accepted nodes."""
     if draft.parents is None:
         return q
-    return q[torch.tensor([0, *(j + 1 for j in path)], device=q.device)]
+    return q[torch.tensor(_path_rows(path), device=q.device)]
 
 
 def _block(g: Generation, draft: Draft) -> bool:
@@ -344,7 +350,7 @@ def _meter(
     node j; a leaf's row is q's, at no cost)."""
     start = time.perf_counter()
     if draft.parents is not None:
-        at = torch.tensor([0, *(j + 1 for j in path)][:count], device=q.device)  # [P]
+        at = torch.tensor(_path_rows(path)[:count], device=q.device)  # [P]
         g.stats.kl_nats += float(kl(judged[at], q[at]).sum())
         g.stats.time_audit_s += time.perf_counter() - start
         return
