@@ -59,7 +59,10 @@ def test_draft_trees_expand_with_their_widths_and_mark_ids() -> None:
     assert "branches" not in grid[0].as_dict()  # chains record what they recorded before
     default = expand([parse_entry("cactus:verification=tree")], [6])[0]
     assert default.id.endswith("/tree2") and default.spec.branches == 2
-    with pytest.raises(ValueError, match="branches applies to verification tree only"):
+    leaf_to_root = expand([parse_entry("sps:verification=traversal:branches=1,3")], [6])
+    assert ids(leaf_to_root) == ["sps/K6/model/traversal1", "sps/K6/model/traversal3"]
+    assert leaf_to_root[1].spec.trees and leaf_to_root[1].label == "sps K6 traversal3"
+    with pytest.raises(ValueError, match="branches applies to verification tree or traversal"):
         expand([parse_entry("sps:verification=block:branches=2")], [6])
     with pytest.raises(ValueError, match="peer: branches does not apply"):
         make_config("hf_assisted", {}, branches=2)

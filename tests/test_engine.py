@@ -188,15 +188,28 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
 
 
 @pytest.mark.parametrize(
-    ("verification", "k"), [("chain", 2), ("block", 2), ("tree", 2), ("tree", 3), ("chain", "auto")]
+    ("verification", "k", "branches"),
+    [
+        ("chain", 2, None),
+        ("block", 2, None),
+        ("tree", 2, None),
+        ("tree", 3, None),
+        ("traversal", 3, None),
+        ("traversal", 2, 1),  # a chain, judged as a block
+        ("chain", "auto", None),
+    ],
 )
-def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verification, k) -> None:
+def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(
+    verification, k, branches
+) -> None:
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)  # overlaps the target, but differs
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt, runs = [5, 17, 3, 19, 11], 1200
     law = exact_pair_law(target, prompt, sampling)
-    sps_spec = DecodeSpec.of("sps", num_draft_tokens=k, verification=verification)
+    sps_spec = DecodeSpec.of(
+        "sps", num_draft_tokens=k, verification=verification, branches=branches
+    )
     sps = SpeculativeDecoder(target, draft, sps_spec, max_draft_tokens=2 if k == "auto" else k)
     if k == "auto":  # drafting pays and stops where the draft is unsure (no timing here)
         sps._policy = SpeculationPolicy(2)
@@ -209,7 +222,7 @@ def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(verif
     assert negative < 1e-6  # negative control: the same test can fail
 
 
-@pytest.mark.parametrize("verification", ["block", "tree"])
+@pytest.mark.parametrize("verification", ["block", "tree", "traversal"])
 def test_cactus_on_blocks_and_trees_emits_its_target_and_meters_at_most_delta_per_position(
     verification: str,
 ) -> None:

@@ -57,8 +57,11 @@ def test_text_values_are_converted_only_when_asked():
         ({"drafter": "eagle"}, f"drafter must be one of {', '.join(DRAFTERS)}, got 'eagle'"),
         ({"delta": 0.5}, "method is required with method parameters"),
         ({"temperature": 0.5}, "unknown key 'temperature'"),
-        ({"verification": "trie"}, "verification must be one of chain, block, tree, got 'trie'"),
-        ({"branches": 2}, "branches applies to verification tree only"),
+        (
+            {"verification": "trie"},
+            "verification must be one of chain, block, tree, traversal, got 'trie'",
+        ),
+        ({"branches": 2}, "branches applies to verification tree or traversal only"),
         ({"verification": "tree", "branches": 0}, "branches must be an integer >= 1, got 0"),
         (
             {"verification": "tree", "num_draft_tokens": "auto"},

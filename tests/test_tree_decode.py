@@ -1,6 +1,7 @@
 """Draft trees through the engine: greedy equals the verifier's greedy token for token (tiny
-models and SmolLM2), a wider tree keeps more, penalties read each node's own path, the
-context check counts every node, and what cannot draft trees is refused. (The laws of SpS
+models and SmolLM2, trees judged top down and leaf to root), a wider tree keeps more,
+penalties read each node's own path, the context check counts every node, and what cannot
+draft trees is refused. (The laws of SpS
 and Cactus trees are checked beside chains and blocks in ``test_engine``.)"""
 
 from __future__ import annotations
@@ -25,17 +26,24 @@ from cactus_spec.runtime.drafters import DraftRequest, ModelDrafter, tree_widths
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 
-def tree(method: str = "sps", k: int = 3, branches: int = 3, **params) -> DecodeSpec:
-    """A spec verifying draft trees of depth k with ``branches`` first candidates."""
-    spec = {"num_draft_tokens": k, "verification": "tree", "branches": branches}
+def tree(
+    method: str = "sps", k: int = 3, branches: int = 3, verification: str = "tree", **params
+) -> DecodeSpec:
+    """A spec verifying draft trees of depth k with up to ``branches`` nodes per depth."""
+    spec = {"num_draft_tokens": k, "verification": verification, "branches": branches}
     return DecodeSpec.of(method, **spec, **params)
 
 
-@pytest.mark.parametrize(("k", "branches"), [(1, 3), (4, 2), (3, 1)])
-def test_greedy_tree_equals_verifier_greedy(k: int, branches: int) -> None:
+@pytest.mark.parametrize(
+    ("k", "branches", "verification"),
+    [(1, 3, "tree"), (4, 2, "tree"), (3, 1, "tree"), (4, 2, "traversal"), (3, 1, "traversal")],
+)
+def test_greedy_tree_equals_verifier_greedy(k: int, branches: int, verification: str) -> None:
     target = make_tiny_lm()
     draft = noisy_copy(target, 0.3, seed=1)
-    decoder = SpeculativeDecoder(target, draft, tree(k=k, branches=branches))
+    decoder = SpeculativeDecoder(
+        target, draft, tree(k=k, branches=branches, verification=verification)
+    )
     result = decoder.generate(PROMPT, max_new_tokens=40, temperature=0)
     assert result.token_ids == reference_greedy(target, PROMPT, 40)
     assert 0 < result.stats.accepted < result.stats.drafted  # both paths exercised

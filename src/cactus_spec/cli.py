@@ -71,13 +71,15 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         "--verification",
         choices=VERIFICATIONS,
         help="how drafts are judged: chain (token by token, default), block (the chain as "
-        "a whole: more tokens kept) or tree (up to --branches nodes per depth, given to the "
-        "likeliest paths, in one verifier forward); block and tree: methods sps, cactus",
+        "a whole: more tokens kept), tree (up to --branches nodes per depth, given to the "
+        "likeliest paths, in one verifier forward, judged top down) or traversal (that tree "
+        "judged leaf to root, each path as a whole: more tokens kept); all but chain: methods "
+        "sps, cactus",
     )
     p.add_argument(
         "--branches",
         type=int,
-        help="a tree's nodes per depth (--verification tree; default 2)",
+        help="a tree's nodes per depth (--verification tree or traversal; default 2)",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]

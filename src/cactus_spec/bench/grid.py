@@ -18,7 +18,7 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
     exact = [false, true]
 
 Each entry expands to the product of its value lists; KEY may also be ``num_draft_tokens``,
-``drafter``, ``verification`` (``chain``, ``block`` or ``tree``:
+``drafter``, ``verification`` (``chain``, ``block``, ``tree`` or ``traversal``:
 ``sps:verification=chain,block``) or ``branches`` (a tree's nodes per depth:
 ``sps:verification=tree:branches=2,4``), overriding the defaults for that entry (K ``auto``
 leaves the draft length to the engine's policy: per iteration, and stopped inside it by the
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
-from cactus_spec.core.spec import AUTO_K, DecodeSpec, parse_spec
+from cactus_spec.core.spec import AUTO_K, TREES, DecodeSpec, parse_spec
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
@@ -92,7 +92,7 @@ class Config:
         if self.drafts:
             values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
             values |= {"verification": self.verification}
-            values |= {"branches": self.branches} if self.verification == "tree" else {}
+            values |= {"branches": self.branches} if self.verification in TREES else {}
         spec = parse_spec(values)
         return spec if self.num_draft_tokens is not None else spec.with_num_draft_tokens(None)
 
@@ -100,7 +100,8 @@ class Config:
     def id(self) -> str:
         """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
         drafter for another draft model, ``/block`` appended for block verification,
-        ``/tree2`` for trees of two nodes per depth, ``@int8`` for an int8 verifier)."""
+        ``/tree2`` for trees of two nodes per depth judged top down, ``/traversal2`` leaf to
+        root, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
@@ -127,8 +128,9 @@ class Config:
 
     @property
     def _judged(self) -> str:
-        """``block``, ``tree2`` (two nodes per depth), ... or ``chain``."""
-        return f"tree{self.branches}" if self.verification == "tree" else self.verification
+        """``block``, ``tree2`` (two nodes per depth), ``traversal2``, ... or ``chain``."""
+        tree = self.verification in TREES
+        return f"{self.verification}{self.branches}" if tree else self.verification
 
     def as_dict(self) -> dict:
         return {
@@ -141,7 +143,7 @@ class Config:
             "verifier": self.verifier,
             "verification": self.verification,
             **({"draft": self.draft} if self.draft is not None else {}),  # as recorded before
-            **({"branches": self.branches} if self.verification == "tree" else {}),
+            **({"branches": self.branches} if self.verification in TREES else {}),
         }
 
     @classmethod
@@ -277,8 +279,10 @@ def expand(
         judged = lists.get("verification", verifications if method in METHODS else [None])
         draft_values = lists.get("draft", drafts if method in METHODS else [None])
         widths = lists.get("branches", branches if method in METHODS else [None])
-        if "branches" in lists and "tree" not in [_text(v) for v in judged]:
-            raise ValueError(f"{method}: branches applies to verification tree only")
+        if "branches" in lists and not set(TREES) & {_text(v) for v in judged}:
+            raise ValueError(
+                f"{method}: branches applies to verification {' or '.join(TREES)} only"
+            )
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
         for combo in itertools.product(*axes, judged, draft_values, widths):
@@ -303,7 +307,7 @@ def expand(
 def _tree_only(width: object, verification: object) -> object:
     """A width applies to the trees of an entry's product (``verification = ["chain",
     "tree"]`` with ``branches = [2, 4]``: chains, trees of 2 and of 4), not its chains."""
-    return width if verification is not None and _text(verification) == "tree" else None
+    return width if verification is not None and _text(verification) in TREES else None
 
 
 def _text(value: object) -> str:

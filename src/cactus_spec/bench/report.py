@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from cactus_spec.core.spec import TREES
 from cactus_spec.files import write_text_atomic
 
 DASH = "-"
@@ -36,7 +37,7 @@ def _k(config: dict) -> str:
     k = config["num_draft_tokens"]
     judged = config.get("verification", "chain")
     block = "" if judged == "chain" else f", {judged}"
-    block += str(config["branches"]) if judged == "tree" else ""
+    block += str(config["branches"]) if judged in TREES else ""
     drafter = config["drafter"] if config.get("draft") is None else Path(config["draft"]).name
     return f"{'auto' if k is None else k} ({drafter}{block})"
 

@@ -15,10 +15,12 @@ value is converted, checked and its error worded in one place:
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
 - ``verification``: how drafts are judged, one of ``VERIFICATIONS``: ``chain``, token by
   token (every rule); ``block``, the chain as a whole (``core.block_verification``; rules with
-  a target per position: sps, and cactus with its KL budget spent per position); or ``tree``,
+  a target per position: sps, and cactus with its KL budget spent per position); ``tree``,
   a draft tree of up to ``branches`` nodes at each depth, given to the likeliest paths, all
-  verified in one forward (``core.tree_verification``; the same rules).
-- ``branches``: the tree's nodes per depth, an integer >= 1 (tree only).
+  verified in one forward and judged top down (``core.tree_verification``; the same rules);
+  or ``traversal``, the same tree judged leaf to root, each path as a whole
+  (``core.traversal_verification``: more tokens kept; with one branch it is ``block``).
+- ``branches``: the tree's nodes per depth, an integer >= 1 (trees only).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -47,9 +49,11 @@ from cactus_spec.core.rules import Rule
 DRAFTERS = ("model", "ngram")
 #: The K that leaves the draft length to a policy (``DecodeSpec.num_draft_tokens`` None).
 AUTO_K = "auto"
-#: How drafts are judged: a chain token by token, a chain as a block, or a draft tree (the last
-#: two for rules with a target per position).
-VERIFICATIONS = ("chain", "block", "tree")
+#: How drafts are judged: a chain token by token, a chain as a block, or a draft tree top down
+#: or leaf to root (all but the first for rules with a target per position).
+VERIFICATIONS = ("chain", "block", "tree", "traversal")
+#: The verifications that draft trees (and take ``branches``).
+TREES = ("tree", "traversal")
 #: A tree's nodes per depth when none is given.
 DEFAULT_BRANCHES = 2
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
@@ -71,7 +75,7 @@ class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
     filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
     ``drafter`` (None for ``ar``), ``verification`` (None for ``ar``) and ``branches`` (a
-    tree's nodes per depth; 1 unless it verifies trees). Build one with
+    tree's nodes per depth; 1 unless it drafts trees). Build one with
     ``parse_spec`` or ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
@@ -99,6 +103,11 @@ class DecodeSpec:
         return METHODS[self.method].drafts
 
     @property
+    def trees(self) -> bool:
+        """Whether it drafts trees (``verification`` tree or traversal)."""
+        return self.verification in TREES
+
+    @property
     def auto_k(self) -> bool:
         """Whether it drafts with K left to a policy (``num_draft_tokens`` None)."""
         return self.drafts and self.num_draft_tokens is None
@@ -119,8 +128,8 @@ class DecodeSpec:
 
     def as_dict(self) -> dict:
         """JSON-ready: method, params, num_draft_tokens, drafter, verification (and branches,
-        for a tree)."""
-        tree = {"branches": self.branches} if self.verification == "tree" else {}
+        for trees)."""
+        tree = {"branches": self.branches} if self.trees else {}
         return {
             "method": self.method,
             "params": dict(self.params),
@@ -186,10 +195,10 @@ def parse_spec(
     drafter = given.get("drafter")
     verification = _verification(given.get("verification"), method, typed, label, base)
     k = _num_draft_tokens(k, text, label) if k is not None else _base_k(base)
-    if verification == "tree" and k is None:
+    if verification in TREES and k is None:
         raise ValueError(
-            f"{label('verification')} tree takes a fixed {label('num_draft_tokens')} (the "
-            f"tree's depth), not {AUTO_K}"
+            f"{label('verification')} {verification} takes a fixed "
+            f"{label('num_draft_tokens')} (the tree's depth), not {AUTO_K}"
         )
     return DecodeSpec(
         method,
@@ -254,12 +263,14 @@ def _branches(
 ) -> int:
     """A tree's nodes per depth: the value given (checked), else the base's
     tree's, else ``DEFAULT_BRANCHES``; 1 for chains and blocks, which take no value."""
-    if verification != "tree":
+    if verification not in TREES:
         if value is not None:
-            raise ValueError(f"{label('branches')} applies to {label('verification')} tree only")
+            raise ValueError(
+                f"{label('branches')} applies to {label('verification')} {' or '.join(TREES)} only"
+            )
         return 1
     if value is None:
-        return base.branches if base.verification == "tree" else DEFAULT_BRANCHES
+        return base.branches if base.trees else DEFAULT_BRANCHES
     try:
         branches = _convert(label("branches"), value, 0, text)
     except ValueError:

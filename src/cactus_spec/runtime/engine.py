@@ -215,7 +215,7 @@ class SpeculativeDecoder:
         every node)."""
         spec = self._spec(spec)
         parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
-        if spec.drafts and spec.verification == "tree":
+        if spec.drafts and spec.trees:
             parts["num_draft_tokens x branches"] = self.draft_tokens(spec) * spec.branches
         elif spec.drafts:
             parts["num_draft_tokens"] = self.draft_tokens(spec)
@@ -431,8 +431,8 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"method {spec.method} drafts with {spec.drafter}, but this engine {have}"
             )
-        if spec.verification == "tree":
-            _check_trees(self._drafter, self._backend)
+        if spec.trees:
+            _check_trees(spec, self._drafter, self._backend)
 
     def _spec(self, spec: DecodeSpec | None) -> DecodeSpec:
         if spec is None:
@@ -460,19 +460,20 @@ def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
     return given
 
 
-def _check_trees(drafter: Drafter | None, verifier: Backend) -> None:
+def _check_trees(spec: DecodeSpec, drafter: Drafter | None, verifier: Backend) -> None:
     """Draft trees need a draft model that samples in the verifier's vocabulary (a cross-
     vocabulary draft proposes one text) and token-tree attention in both models."""
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(
-            "verification tree needs a draft model with the verifier's tokenizer "
-            f"(this engine drafts with {type(drafter).__name__}); use chain or block"
+            f"verification {spec.verification} needs a draft model with the verifier's "
+            f"tokenizer (this engine drafts with {type(drafter).__name__}); use chain or block"
         )
     for name, backend in (("verifier", verifier), ("draft", drafter.backend)):
         if not backend.reads_trees:
             raise ValueError(
-                f"verification tree needs token-tree attention, which the {name}'s backend "
-                f"({type(backend).__name__}) lacks; use the lean backend (--backend lean)"
+                f"verification {spec.verification} needs token-tree attention, which the "
+                f"{name}'s backend ({type(backend).__name__}) lacks; use the lean backend "
+                "(--backend lean)"
             )
 
 

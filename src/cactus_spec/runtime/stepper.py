@@ -10,7 +10,7 @@ iteration
    drafting; K_b = 0 for an autoregressive row, or when the budget is spent);
 2. feeds each row ``[t_b, d_b1..d_bK_b]`` (t_b = its last emitted token, not yet in the
    verifier's cache) in one verifier forward over all rows, ragged: K_b + 1 rows of q each;
-3. runs ``verify`` (or ``verify_block`` for a spec verifying blocks) per row with that row's
+3. runs ``verify`` (or ``verify_block`` for a spec judging blocks) per row with that row's
    rule, sampling and generator, so a row keeps a different number of tokens than its
    neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
@@ -18,7 +18,9 @@ iteration
 A row verifying draft trees gets a tree from the drafter (up to ``branches`` nodes per depth);
 when any row of the batch has one, the verifier reads every row as a token tree
 (a chain is a tree; ``Backend.append_tree``), each row's nodes are judged by
-``verify_tree``, and its cache keeps the accepted path (``Backend.commit_path``).
+``verify_tree`` (or ``verify_traversal``, leaf to root), and its cache keeps the accepted path
+(``Backend.commit_path``). A traversal row of one branch drafts a chain and judges it as a
+block (the same verifier on a chain).
 
 Every random draw of a row comes from its own generator in the same order as when it is
 decoded alone, so a row decoded in a batch gives the tokens it gives alone (up to the
@@ -44,6 +46,7 @@ from cactus_spec.core.audit import kl, step_divergences
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.sampling import draw
+from cactus_spec.core.traversal_verification import verify_traversal
 from cactus_spec.core.tree_verification import ROOT, judged_rows, verify_tree
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
@@ -288,9 +291,11 @@ def _emitted_rows(q: Tensor, draft: Draft, path: list[int]) -> Tensor:
 
 
 def _block(g: Generation, draft: Draft) -> bool:
-    """Whether the row's drafts are block-verified (at temperature 0 every weight is 0 or 1:
-    token verification runs the same test)."""
-    return bool(draft.tokens) and g.spec.verification == "block" and not g.sampling.greedy
+    """Whether the row's drafts are block-verified: a block, or the chain of a traversal of
+    one branch (at temperature 0 every weight is 0 or 1: token verification runs the same
+    test)."""
+    judged = g.spec.verification in ("block", "traversal")
+    return bool(draft.tokens) and judged and draft.parents is None and not g.sampling.greedy
 
 
 def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
@@ -325,7 +330,8 @@ def _tokens(
             out.append(([draw(q[-1:], g.sampling.greedy, g.generator)], []))
             continue
         if draft.parents is not None:
-            tree = verify_tree(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
+            walk = verify_traversal if g.spec.verification == "traversal" else verify_tree
+            tree = walk(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
             out.append((tree.tokens, tree.path))
             continue
         ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
