@@ -83,27 +83,38 @@ class _Walk:
         if weight <= 0.0 and node != ROOT:
             return None  # every test below and at the node fails: nothing to draw
         kids = self.tree.children[node]
-        p = self.draft_probs[kids[0]].float() if kids else target  # [V]
+        if not kids:
+            return ([], target) if node == ROOT or self.tests[node] < weight else None
+        ids, t, p = _support(target, self.draft_probs[kids[0]].float())  # [S] each
+        at = {token: i for i, token in enumerate(ids.tolist())}
         for child in kids:
-            token = self.tree.tokens[child]
-            child_weight = min(1.0, weight * float(target[token]) / float(p[token]))
+            i = at[self.tree.tokens[child]]  # a drafted token has p > 0
+            child_weight = min(1.0, weight * float(t[i]) / float(p[i]))
             found = self.visit(child, self.rows[child + 1], child_weight)
             if found is not None:
                 return [child, *found[0]], found[1]
-            target, weight, p = after_rejection(target, weight, p, token)
+            t, weight, p = after_rejection(t, weight, p, i)
         if node == ROOT or self.tests[node] < weight:
-            return [], target
+            return [], torch.zeros_like(target).index_copy_(0, ids, t)
         return None
 
 
+def _support(target: Tensor, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The tokens where t [V] or p [V] has mass [S], and both rows there [S]: a node's
+    rejections touch only them (a few dozen tokens under top-k or top-p, not the vocabulary)."""
+    ids = ((target > 0) | (p > 0)).nonzero().flatten()  # [S]
+    return ids, target[ids], p[ids]
+
+
 def after_rejection(
-    target: Tensor,  # [V]
+    target: Tensor,  # [S]
     weight: float,
-    p: Tensor,  # [V]
+    p: Tensor,  # [S]
     token: int,
 ) -> tuple[Tensor, float, Tensor]:
-    """A node's (t, w, p) after the subtree of its child ``token`` was rejected: the residual
-    norm(max(0, w t - p)), the weight m / sum max(0, p - w t) and p without ``token``."""
+    """A node's (t, w, p) after the subtree of its child at index ``token`` was rejected: the
+    residual norm(max(0, w t - p)), the weight m / sum max(0, p - w t) and p without
+    ``token``."""
     excess = (weight * target - p).clamp_(min=0.0)  # [V]
     needed = float(excess.sum())
     rejected = float((p - weight * target).clamp_(min=0.0).sum())  # 1 - w + m
