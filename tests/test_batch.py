@@ -12,6 +12,7 @@ from test_engine import noisy_copy
 
 from cactus_spec.core.rules import TAS, Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
@@ -158,6 +159,22 @@ def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_de
     ar = generation(d, [1, 2, 3], AR)
     k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g], [0, 0, 0])
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
+
+
+def test_the_policy_costs_a_tree_by_its_nodes() -> None:
+    """A tree of width 4 verifies 4 K + 1 tokens and drafts 4 rows a step: where verifying
+    grows dear past 9 tokens, the policy drafts the chain to its cap and the tree shallower
+    (but not 0); with the tree's tokens as cheap as the chain's, both draft to the cap."""
+    d = decoder(1)
+    chain = generation(d, [1, 2, 3], DecodeSpec.of("sps", num_draft_tokens="auto"))
+    tree = DecodeSpec.of("sps", num_draft_tokens="auto", verification="tree", branches=4)
+    wide = generation(d, [1, 2, 3], tree)
+    policy = policy_with(0.002, {1: 0.050, 9: 0.052, 33: 0.25})
+    (k_chain,) = policy.choose([chain], [0])
+    (k_tree,) = policy.choose([wide], [0])
+    assert k_chain == 8 and 0 < k_tree < k_chain
+    flat = policy_with(0.002, {1: 0.050, 9: 0.052, 33: 0.053})
+    assert flat.choose([wide], [0]) == [8]
 
 
 def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:

@@ -197,6 +197,7 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int], runs: int, sam
         ("traversal", 3, None),
         ("traversal", 2, 1),  # a chain, judged as a block
         ("chain", "auto", None),
+        ("tree", "auto", None),
     ],
 )
 def test_joint_law_of_first_two_tokens_matches_verifier_and_rejects_cactus(

@@ -63,10 +63,6 @@ def test_text_values_are_converted_only_when_asked():
         ),
         ({"branches": 2}, "branches applies to verification tree or traversal only"),
         ({"verification": "tree", "branches": 0}, "branches must be an integer >= 1, got 0"),
-        (
-            {"verification": "tree", "num_draft_tokens": "auto"},
-            "verification tree takes a fixed num_draft_tokens",
-        ),
         ({"method": "ar", "verification": "block"}, "verification does not apply to method ar"),
         (
             {"method": "tas", "verification": "block"},
@@ -123,6 +119,8 @@ def test_block_verification_is_kept_where_it_applies_and_chain_elsewhere():
 def test_k_auto_leaves_the_draft_length_to_a_policy():
     assert parse_spec({"method": "sps", "num_draft_tokens": "auto"}).num_draft_tokens is None
     assert DecodeSpec.of("cactus", num_draft_tokens="auto").drafts
+    tree = DecodeSpec.of("sps", num_draft_tokens="auto", verification="traversal", branches=3)
+    assert tree.auto_k and tree.trees and tree.branches == 3  # the policy picks its depth
     with pytest.raises(
         ValueError, match="num_draft_tokens must be an integer >= 1 or auto, got 'often'"
     ):

@@ -9,9 +9,10 @@ value is converted, checked and its error worded in one place:
   nothing: K and the drafter do not apply to it).
 - the method's parameters (``delta``, ``exact``, ...): the type of their registry default,
   in the rule's range.
-- ``num_draft_tokens`` (K): the tokens drafted per iteration, an integer >= 1, or None
-  (given as ``"auto"``) where a policy picks K each iteration and stops drafting inside it
-  when the draft is unsure (``runtime.policy``).
+- ``num_draft_tokens`` (K): the tokens drafted per iteration (a tree's depth), an integer
+  >= 1, or None (given as ``"auto"``) where a policy picks K each iteration from the measured
+  costs and, for a chain, stops drafting inside it when the draft is unsure
+  (``runtime.policy``).
 - ``drafter``: where drafts come from, one of ``DRAFTERS``.
 - ``verification``: how drafts are judged, one of ``VERIFICATIONS``: ``chain``, token by
   token (every rule); ``block``, the chain as a whole (``core.block_verification``; rules with
@@ -195,11 +196,6 @@ def parse_spec(
     drafter = given.get("drafter")
     verification = _verification(given.get("verification"), method, typed, label, base)
     k = _num_draft_tokens(k, text, label) if k is not None else _base_k(base)
-    if verification in TREES and k is None:
-        raise ValueError(
-            f"{label('verification')} {verification} takes a fixed "
-            f"{label('num_draft_tokens')} (the tree's depth), not {AUTO_K}"
-        )
     return DecodeSpec(
         method,
         tuple(typed.items()),

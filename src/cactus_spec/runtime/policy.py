@@ -8,10 +8,12 @@ K tokens for each row yields in expectation
 
 and costs
 
-    T(K) = K * t_draft(B) + t_verify(n_fixed + B (K + 1)) + [K > 0] c L / N(K)   seconds,
+    T(K) = K * t_draft(R) + t_verify(n_fixed + sum_b (w_b K + 1)) + [K > 0] c L / N(K)   seconds,
 
-where t_draft(b) is one draft step over b rows, t_verify(n) one verifier forward over n
-tokens in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
+where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's alpha_b
+is its own per-depth rate, read off the same history), R = sum_b w_b the rows of one draft
+step, t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens
+in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
 what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
 each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
@@ -32,7 +34,8 @@ T_j = j t_draft + t_verify(j + 1) seconds; one more draft adds about S_j a_j tok
 chance taken as the last draft's: confidence runs in stretches) for
 t_draft + t_verify(j + 2) - t_verify(j + 1) seconds, and is drawn only when that rate beats
 E_j / T_j. The draft's probabilities come from the draft alone, so the
-stop never looks at the verifier: every rule keeps its law.
+stop never looks at the verifier: every rule keeps its law. A draft tree is grown to the K
+chosen, without that stop.
 """
 
 from __future__ import annotations
@@ -132,15 +135,16 @@ class SpeculationPolicy:
         the K that maximises expected tokens per second over the whole batch. ``behind[i]``:
         the tokens the drafter would read for generation i before drafting."""
         auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
-        fixed = [_fixed_k(g) for g in generations if not g.spec.auto_k]
+        fixed = [g for g in generations if not g.spec.auto_k]
         lags = [behind[i] for i in auto]
         best = self._best_k([generations[i] for i in auto], lags, fixed) if auto else 0
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
-    def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[int]) -> int:
+    def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
         alphas = [self.alpha(g) for g in auto]
-        fixed_tokens = sum(k + 1 for k in fixed)
-        rows = len(auto) + len(fixed)
+        widths = [g.spec.branches for g in auto]
+        fixed_tokens = sum(_fixed_k(g) * g.spec.branches + 1 for g in fixed)
+        rows = sum(widths) + sum(g.spec.branches for g in fixed)  # rows of one draft step
 
         lag = sum(n for n in lags if n > _STEADY_LAG)
         catch_up = lag * self.catch_up_token_s
@@ -148,7 +152,7 @@ class SpeculationPolicy:
 
         def rate(k: int) -> float:
             per_row = [expected_tokens(a, k) for a in alphas]
-            cost = self.verify.estimate(fixed_tokens + len(auto) * (k + 1))
+            cost = self.verify.estimate(fixed_tokens + sum(w * k + 1 for w in widths))
             if k > 0:  # the catch-up, paid off over the iterations the rows have left
                 iterations_left = remaining / (sum(per_row) / len(per_row))
                 cost += k * self.draft.estimate(rows) + catch_up / iterations_left

@@ -245,7 +245,10 @@ class Stepper:
 
 
 def _confidences(draft: Draft) -> tuple[float, ...]:
-    """The draft's probability of each token it drafted (1 for a deterministic drafter)."""
+    """The draft's probability of each token it drafted along a chain (1 for a deterministic
+    drafter); none for a tree, whose nodes are not positions of one chain."""
+    if draft.parents is not None:
+        return ()
     if draft.probs is None:
         return (1.0,) * len(draft.tokens)
     ids = torch.tensor(draft.tokens, dtype=torch.long, device=draft.probs.device)  # [K]
