@@ -31,6 +31,8 @@ def test_a_request_picks_its_method_parameters_and_k() -> None:
     assert speculative_spec({"method": "ar"}, BASE).rule is None
     block = speculative_spec({"method": "cactus", "verification": "block"}, BASE)
     assert block.verification == "block"
+    tree = speculative_spec({"verification": "traversal", "branches": 3}, BASE)
+    assert tree.trees and tree.branches == 3 and tree.auto_k  # the policy picks its depth
 
 
 @pytest.mark.parametrize(
@@ -47,7 +49,7 @@ def test_a_request_picks_its_method_parameters_and_k() -> None:
         ({"method": "nope"}, "speculative", "method must be one of"),
         ({"method": "tas", "verification": "block"}, "speculative", "verification block takes"),
         ({"verification": "trie"}, "speculative", "verification must be one of chain, block, tree"),
-        ({"verification": "tree"}, "speculative", "verification tree takes a fixed"),
+        ({"verification": "tree", "branches": 0}, "speculative", "branches must be an integer"),
     ],
 )
 def test_a_bad_speculative_object_is_a_400_naming_its_key(options, param, words) -> None:
