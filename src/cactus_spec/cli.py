@@ -73,8 +73,8 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         help="how drafts are judged: chain (token by token, default), block (the chain as "
         "a whole: more tokens kept), tree (up to --branches nodes per depth, given to the "
         "likeliest paths, in one verifier forward, judged top down) or traversal (that tree "
-        "judged leaf to root, each path as a whole: more tokens kept); all but chain: methods "
-        "sps, cactus",
+        "judged leaf to root, each path as a whole, as block judges a chain); all but chain: "
+        "methods sps, cactus",
     )
     p.add_argument(
         "--branches",

@@ -19,8 +19,8 @@ value is converted, checked and its error worded in one place:
   a target per position: sps, and cactus with its KL budget spent per position); ``tree``,
   a draft tree of up to ``branches`` nodes at each depth, given to the likeliest paths, all
   verified in one forward and judged top down (``core.tree_verification``; the same rules);
-  or ``traversal``, the same tree judged leaf to root, each path as a whole
-  (``core.traversal_verification``: more tokens kept; with one branch it is ``block``).
+  or ``traversal``, the same tree judged leaf to root, each path as a whole, as blocks judge
+  a chain (``core.traversal_verification``; with one branch it is ``block``).
 - ``branches``: the tree's nodes per depth, an integer >= 1 (trees only).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
