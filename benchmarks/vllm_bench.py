@@ -2,6 +2,8 @@
 
     python benchmarks/vllm_bench.py --out bench-out/vllm          # everything, resumable
     python benchmarks/vllm_bench.py --out bench-out/vllm --only step
+    python benchmarks/vllm_bench.py --out bench-out/vllm --k 4 --drafting probabilistic \
+        --method SpS --method "SpS, block"                          # a part of the grid
 
 Run from the project root with cactus-spec's environment (.venv); the vLLM parts run in
 .venv-vllm (``make vllm-env``) as child processes, one at a time (two cores: nothing else
@@ -9,18 +11,19 @@ may run beside a timed part). Parts, each appending JSON lines to ``OUT/results.
 skipped when its lines are already there:
 
 - ``own``: cactus-spec's engine (bf16 verifier, int8 draft: the command line's), AR, then
-  SpS and Cactus (delta 0.5, 1) at K = 4 and 10, on HumanEval's first N prompts (chat
-  template), 128 new tokens, the paper's sampling (temperature 0.6, top-k 20, top-p 0.95),
-  seeds 0..N-1. It also writes the prompts' token ids for the vLLM parts.
+  SpS and Cactus (delta 0.5, 1) at K = 4 and 10, and SpS and Cactus(1) on blocks, on
+  HumanEval's first N prompts (chat template), 128 new tokens, the paper's sampling
+  (temperature 0.6, top-k 20, top-p 0.95), seeds 0..N-1. It also writes the prompts' token
+  ids for the vLLM parts.
 - ``vllm``: one vLLM engine per drafting (greedy, probabilistic) and K (4, 10), both models
   in bf16 from their dense folders, the same token ids and sampling, one request at a time;
-  SpS and Cactus through the plugin's extra args. Accepted length and KL come from the
-  plugin's meter file.
+  every method through the plugin's extra args (blocks: ``cactus_verification``). Accepted
+  length and KL come from the plugin's meter file.
 - ``step``: the plugin's cost: vLLM's ``rejection_sample`` with no rule rows (vLLM's own
-  code) against the plugin's with SpS rows and with Cactus rows, on the same synthetic batch
-  (B requests x K drafts x 151,936 tokens, target logits cut to their top 20 as the paper's
-  sampling leaves them; full-support draft probabilities), median of repeated calls,
-  alternating.
+  code) against the plugin's with SpS and Cactus rows, on chains and on blocks, on the same
+  synthetic batch (B requests x K drafts x 151,936 tokens, target logits cut to their top
+  20 as the paper's sampling leaves them; full-support draft probabilities), median of
+  repeated calls, alternating.
 
 ``OUT/summary.md`` tabulates every line; the raw lines stay in ``results.jsonl``.
 """
@@ -40,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SAMPLING = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
 METHODS = {"SpS": ("sps", {}), "Cactus(0.5)": ("cactus", {"delta": 0.5}),
-           "Cactus(1)": ("cactus", {"delta": 1.0})}  # fmt: skip
+           "Cactus(1)": ("cactus", {"delta": 1.0}),
+           "SpS, block": ("sps", {"verification": "block"}),
+           "Cactus(1), block": ("cactus", {"delta": 1.0, "verification": "block"})}  # fmt: skip
 KS = (4, 10)
 DRAFTINGS = ("greedy", "probabilistic")
 
@@ -52,6 +57,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=("own", "vllm", "step"), help="one part only")
     parser.add_argument("--eager", action="store_true", help="vLLM without compilation")
+    parser.add_argument("--k", type=int, choices=KS, action="append", help="these K only")
+    parser.add_argument("--drafting", choices=DRAFTINGS, action="append", help="these only")
+    parser.add_argument("--method", choices=METHODS, action="append", help="these only")
     parser.add_argument("--part-args", help=argparse.SUPPRESS)  # a child's own part
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,8 +70,8 @@ def main() -> None:
     if args.only in (None, "own"):
         run_own(args)
     if args.only in (None, "vllm"):
-        for drafting in DRAFTINGS:
-            for k in KS:
+        for drafting in args.drafting or DRAFTINGS:
+            for k in args.k or KS:
                 child(args, part="vllm", drafting=drafting, k=k)
     if args.only in (None, "step"):
         child(args, part="step")
@@ -101,6 +109,8 @@ def child(args, **part) -> None:
     ]
     if args.eager:
         command.append("--eager")
+    for label in args.method or ():
+        command += ["--method", label]
     meter = args.out / ("meter-" + "-".join(map(str, part.values())) + ".jsonl")
     env = {**os.environ, "CACTUS_SPEC_VLLM_METER": str(meter)}
     subprocess.run(command, check=True, env=env)
@@ -127,8 +137,9 @@ def run_own(args) -> None:
     }
     (args.out / "prompts.json").write_text(json.dumps({"token_ids": ids, "models": models}))
     specs = {("AR", "-"): DecodeSpec.of("ar")}
-    for k in KS:
-        for label, (method, params) in METHODS.items():
+    for k in args.k or KS:
+        for label in args.method or METHODS:
+            method, params = METHODS[label]
             specs[(label, f"K{k}")] = DecodeSpec.of(method, num_draft_tokens=k, **params)
     finished = done(args.out)
     decoder.generate(ids[0], 8)  # page the weights in
@@ -163,7 +174,7 @@ def run_vllm(args, drafting: str, k: int) -> None:
     todo = [
         (label, i)
         for i in range(args.n)
-        for label in METHODS
+        for label in args.method or METHODS
         if ("vllm", config, label, i) not in finished
     ]
     if not todo:
@@ -270,13 +281,17 @@ def run_step(args, batches=(1, 8), k: int = 4, vocab: int = 151_936, calls: int 
             )
             specs = {
                 "vLLM's own": (original, None),
-                "plugin, SpS rows": (patched, "sps"),
-                "plugin, Cactus rows": (patched, "cactus"),
+                "plugin, SpS rows": (patched, DecodeSpec.of("sps")),
+                "plugin, Cactus rows": (patched, DecodeSpec.of("cactus")),
+                "plugin, SpS blocks": (patched, DecodeSpec.of("sps", verification="block")),
+                "plugin, Cactus blocks": (
+                    patched,
+                    DecodeSpec.of("cactus", verification="block"),
+                ),
             }
             times: dict[str, list[float]] = {name: [] for name in specs}
             for _ in range(calls):
-                for name, (function, method) in specs.items():
-                    spec = None if method is None else DecodeSpec.of(method)
+                for name, (function, spec) in specs.items():
                     Current.batch = Batch([str(i) for i in range(b)], [spec] * b)
                     began = time.perf_counter()
                     function(*call_args)

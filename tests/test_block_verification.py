@@ -262,3 +262,20 @@ def test_cactus_on_blocks_emits_its_per_position_targets(tables) -> None:
     # negative control: the same samples are not the verifier's law
     _, q_law = _sequence_counts(_cactus_block(0.3), chosen, False, SPS)
     assert binomial_violations(counts, q_law) != []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_hot_drafts_keep_what_token_verification_keeps(seed: int) -> None:
+    """With one-hot drafts token verification already keeps a prefix with probability
+    prod q(n_j), the most the law allows, so the block's E[kept] is the same (vLLM's greedy
+    drafting; DESIGN "Inside vLLM")."""
+    g = torch.Generator().manual_seed(seed)
+    k, size = 4, 6
+    q = torch.softmax(2 * torch.randn(1, k + 1, size, generator=g, dtype=torch.float64), -1)
+    ids = torch.randint(0, size, (1, k), generator=g)
+    h = stop_probs(ids, q, None)[0][0]  # [K]
+    block = sum((i + 1) * float(h[i] * torch.prod(1 - h[i + 1 :])) for i in range(k))
+    q_n = q[0, torch.arange(k), ids[0]]  # [K]
+    token = sum(float(torch.prod(q_n[: i + 1])) for i in range(k))
+    assert block == pytest.approx(token, rel=1e-12)
+    assert token > 1e-3  # the drafts are kept often enough for the equality to say something

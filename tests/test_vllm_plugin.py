@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from cactus_spec.core.audit import one_hot_divergences
+from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
+from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
 from cactus_spec.integrations.vllm.plugin import check_version, resolve, resolve_all
@@ -45,7 +46,12 @@ def test_nothing_asked_is_the_default_and_no_default_is_vllms_own() -> None:
         ({"cactus_method": "sps", "cactus_delta": 0.5}, "cactus_delta does not apply to"),
         ({"cactus_num_draft_tokens": 4}, "cactus_num_draft_tokens does not apply in vLLM"),
         ({"cactus_drafter": "ngram"}, "cactus_drafter does not apply in vLLM"),
-        ({"cactus_verification": "block"}, "cactus_verification does not apply in vLLM"),
+        (
+            {"cactus_method": "cactus", "cactus_verification": "tree"},
+            "cactus_verification tree does not apply in vLLM: it drafts one chain; the values "
+            "are chain, block",
+        ),
+        ({"cactus_method": "topk", "cactus_verification": "block"}, "cactus_verification block"),
         ({"cactus_branches": 2}, "cactus_branches does not apply in vLLM"),
         ({"cactus_method": "ar"}, "cactus_method ar does not apply in vLLM"),
         ({"cactus_foo": 1}, "unknown key cactus_foo; the keys are cactus_method"),
@@ -54,6 +60,14 @@ def test_nothing_asked_is_the_default_and_no_default_is_vllms_own() -> None:
 def test_bad_values_are_one_line_errors_naming_the_key(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message):
         request_spec(extra, None)
+
+
+def test_a_request_or_the_default_may_verify_blocks() -> None:
+    block = request_spec({"cactus_method": "cactus", "cactus_verification": "block"}, None)
+    assert (block.method, block.verification) == ("cactus", "block")
+    default = default_spec({"cactus_spec": {"method": "sps", "verification": "block"}})
+    assert request_spec({"cactus_method": "cactus"}, default).verification == "block"
+    assert request_spec({"cactus_method": "tas"}, default).verification == "chain"
 
 
 def test_a_bad_default_names_the_config_key() -> None:
@@ -92,6 +106,23 @@ def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> Non
     assert [x["request_id"] for x in lines] == ["a", "b"]
     assert lines[0]["params"] == {"delta": 0.5, "exact": False}
     assert meter.finish("a") is None
+
+
+def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
+    """A block emits t = kl_target(q, p) at each drafted position: KL(t || q) per position,
+    which the chain's law (the per-token h) does not give (the negative control)."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.softmax(3 * torch.randn(6, 30, generator=gen), -1)  # [T, V]
+    p = torch.softmax(torch.randn(6, 30, generator=gen), -1)
+    ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)
+    block = DecodeSpec.of("cactus", delta=0.5, verification="block")
+    meter = Meter()
+    meter.record([Chain("b", block, 0, 6, 4), Chain("c", CACTUS, 0, 6, 4)], q, ids, p)
+    measured_block, measured_chain = meter.finish("b").kl_nats, meter.finish("c").kl_nats
+    t = kl_target(q[:4], p[:4], 0.5)
+    assert measured_block == pytest.approx(float(kl(t, q[:4]).sum()), rel=1e-6)
+    assert measured_chain == pytest.approx(float(step_divergences(p[:4], q[:4], CACTUS.rule).sum()))
+    assert measured_block != pytest.approx(measured_chain, rel=1e-3)
 
 
 def test_a_lossless_rule_spends_nothing() -> None:

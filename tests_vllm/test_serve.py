@@ -225,3 +225,20 @@ def test_the_meter_reaches_prometheus(server) -> None:
         )
     kl = sum(x["kl_nats"] for x in lines if x["method"] == "cactus")
     assert values['cactus_spec:kl_nats_total{method="cactus"}'] == pytest.approx(kl)
+
+
+def test_block_requests_keep_their_budget_and_reproduce_with_their_seed(server) -> None:
+    """Blocks over n-gram drafts: a seeded request draws the same text again, the meter says
+    it was judged as a block, KL(t || q) <= delta at every emitted position, and a tree is
+    that request's 400."""
+    client, meter = server
+    block = {**cactus(1.0), "cactus_verification": "block"}
+    before = len(meter_lines(client, meter))
+    texts = [complete(client, prompt, 7, block) for prompt in PROMPTS]
+    assert texts == [complete(client, prompt, 7, block) for prompt in PROMPTS]
+    new = [x for x in meter_lines(client, meter)[before:] if x["method"] == "cactus"]
+    assert len(new) == 2 * len(PROMPTS)
+    assert all(x["verification"] == "block" and x["positions"] > 0 for x in new)
+    assert all(x["kl_nats"] <= x["positions"] * (1 + 1e-5) for x in new)
+    with pytest.raises(openai.BadRequestError, match="cactus_verification tree does not apply"):
+        complete(client, PROMPTS[0], 0, {**block, "cactus_verification": "tree"})

@@ -8,12 +8,14 @@ the request samples from (after temperature, top-k, top-p and penalties):
 - one-hot drafts (greedy drafting, n-gram): ``audit.one_hot_divergences``, exact at any
   vocabulary;
 - drafts with probabilities: ``audit.step_divergences``, exact on the union of supports,
-  NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k).
+  NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k);
+- blocks (``verification = block``): the block emits its rule's target t at every drafted
+  position, so the law is t and the meter adds KL(t || q), exact at any vocabulary.
 
 When a request finishes (the worker learns it at its next step), the worker logs one line,
-appends one JSON line (request id, method, params, drafted, accepted, emitted positions,
-kl_nats) to the file ``CACTUS_SPEC_VLLM_METER`` names, if any, and hands the tally to
-``export`` (the plugin's Prometheus counters).
+appends one JSON line (request id, method, params, verification, drafted, accepted,
+emitted positions, kl_nats) to the file ``CACTUS_SPEC_VLLM_METER`` names, if any, and hands
+the tally to ``export`` (the plugin's Prometheus counters).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import one_hot_divergences, step_divergences
+from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
 from cactus_spec.core.rules import Rule
 from cactus_spec.core.spec import DecodeSpec
 
@@ -43,6 +45,7 @@ class Tally:
 
     method: str
     params: dict
+    verification: str  # chain or block
     drafted: int = 0
     accepted: int = 0
     positions: int = 0  # verified positions that emitted a token
@@ -65,19 +68,21 @@ class Meter:
         p: Tensor | None,  # [T, V], None for one-hot drafts
     ) -> None:
         """Add one verified chain per request; lossy rules' divergences in one call per rule."""
-        by_rule: dict[object, list[Chain]] = defaultdict(list)
+        by_rule: dict[tuple[object, bool], list[Chain]] = defaultdict(list)
         for chain in chains:
             tally = self.tallies.setdefault(
-                chain.request_id, Tally(chain.spec.method, dict(chain.spec.params))
+                chain.request_id,
+                Tally(chain.spec.method, dict(chain.spec.params), chain.spec.verification),
             )
             tally.drafted += chain.drafted
             tally.accepted += min(chain.emitted - 1, chain.drafted)
             tally.positions += chain.positions
             if chain.positions and not chain.spec.lossless:
-                by_rule[chain.spec.rule].append(chain)
-        for rule, group in by_rule.items():
-            for chain, kl in zip(group, _divergences(rule, group, q, draft_ids, p), strict=True):
-                self.tallies[chain.request_id].kl_nats += kl
+                by_rule[chain.spec.rule, chain.spec.verification == "block"].append(chain)
+        for (rule, block), group in by_rule.items():
+            measure = _block_divergences if block else _divergences
+            for chain, nats in zip(group, measure(rule, group, q, draft_ids, p), strict=True):
+                self.tallies[chain.request_id].kl_nats += nats
 
     def finish(self, request_id: str) -> Tally | None:
         """Close a request: log its line, append its JSON line, forget it."""
@@ -86,9 +91,11 @@ class Meter:
             return None
         kl = "not measured (no top-k)" if math.isnan(tally.kl_nats) else f"{tally.kl_nats:.4f}"
         logger.info(
-            "cactus-spec request %s: %s, accepted %d of %d drafts, KL %s nats over %d positions",
+            "cactus-spec request %s: %s on %ss, accepted %d of %d drafts, KL %s nats over %d "
+            "positions",
             request_id,
             tally.method,
+            tally.verification,
             tally.accepted,
             tally.drafted,
             kl,
@@ -129,13 +136,34 @@ def _divergences(
 
     One audit call for the whole group; with draft probabilities whose union of supports is
     too large to audit at once (NaN), one call per chain, each on its own support."""
-    index = torch.cat([torch.arange(c.start, c.start + c.positions) for c in chains])  # [P]
+    index = _positions(chains)  # [P]
     if p is None:
         per_position = one_hot_divergences(q[index], ids[index].long(), rule)  # [P]
     else:
         per_position = step_divergences(p[index].float(), q[index], rule)  # [P]
         if len(chains) > 1 and bool(per_position.isnan().any()):
             return [_divergences(rule, [c], q, ids, p)[0] for c in chains]
+    return _sums(chains, per_position)
+
+
+def _block_divergences(
+    rule: Rule, chains: list[Chain], q: Tensor, ids: Tensor, p: Tensor | None
+) -> list[float]:
+    """Each block's KL(t || q) summed over its emitted positions, t = ``rule.block_target``
+    (a function of each position's q and p rows alone)."""
+    index = _positions(chains)  # [P]
+    rows_q = q[index]  # [P, V]
+    t = rule.block_target(rows_q, ids[index].long(), None if p is None else p[index].float())
+    return _sums(chains, kl(t, rows_q))
+
+
+def _positions(chains: list[Chain]) -> Tensor:
+    """The flattened token axis's indices of the chains' emitted positions -> [P]."""
+    return torch.cat([torch.arange(c.start, c.start + c.positions) for c in chains])
+
+
+def _sums(chains: list[Chain], per_position: Tensor) -> list[float]:
+    """``per_position`` [P] summed per chain (its ``positions`` consecutive entries)."""
     owner = torch.repeat_interleave(torch.tensor([c.positions for c in chains]))  # [P]
     sums = torch.zeros(len(chains), dtype=torch.float64).index_add_(0, owner, per_position)
     return sums.tolist()

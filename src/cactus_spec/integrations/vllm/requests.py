@@ -7,7 +7,8 @@ holds only strings, numbers and lists. Values may be text ("0.5", "true"). The s
 default is ``additional_config={"cactus_spec": {"method": "cactus", "delta": 0.5}}``
 (``vllm serve --additional-config``). Both are read by ``core.spec.parse_spec``, the parser
 of the command line and cactus-spec's own server. K and the drafter are vLLM's own
-(``--speculative-config``), so they are refused here, as is ``ar``.
+(``--speculative-config``), so they are refused here, as is ``ar``. vLLM drafts one chain
+per request, so ``verification`` is ``chain`` or ``block`` (``sampler``), never a tree.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ PREFIX = "cactus_"
 DEFAULT_KEY = "cactus_spec"
 #: Spec keys vLLM owns: K is num_speculative_tokens, the drafter its method.
 _VLLM_OWNED = ("num_draft_tokens", "drafter")
-#: Spec keys of the engine's own verifiers (blocks, trees): vLLM verifies chains.
-_CHAINS_ONLY = ("verification", "branches")
+#: The verifications of one drafted chain, the only shape vLLM drafts.
+VERIFICATIONS = ("chain", "block")
 
 
 def default_spec(additional_config: Mapping | None) -> DecodeSpec | None:
@@ -52,13 +53,9 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
                 f"{prefix}{key} does not apply in vLLM: the draft length and the drafter are "
                 "the server's --speculative-config"
             )
-    for key in _CHAINS_ONLY:
-        if key in values:
-            raise ValueError(
-                f"{prefix}{key} does not apply in vLLM: its rejection sampler verifies "
-                "chains token by token"
-            )
-    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, *_CHAINS_ONLY)]
+    if "branches" in values:
+        raise ValueError(f"{prefix}branches does not apply in vLLM: it drafts one chain")
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches")]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
@@ -69,6 +66,11 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
     except ValueError as error:  # the rules' own messages name the bare parameter
         message = str(error)
         raise ValueError(message if message.startswith(prefix) else prefix + message) from None
+    if spec.verification is not None and spec.verification not in VERIFICATIONS:
+        raise ValueError(
+            f"{prefix}verification {spec.verification} does not apply in vLLM: it drafts one "
+            f"chain; the values are {', '.join(VERIFICATIONS)}"
+        )
     if not spec.drafts:
         raise ValueError(
             f"{prefix}method ar does not apply in vLLM: leave out --speculative-config instead"

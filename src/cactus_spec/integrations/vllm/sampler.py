@@ -8,6 +8,13 @@ the rule's target row t (``core.targets.kernel_target``) in place of q, so the k
 that rule's law. Rows that ask for nothing keep q: their tokens are vLLM's, draw for draw.
 Greedy rows (temperature 0) go through vLLM's greedy kernel untouched.
 
+Rows that ask for ``verification = block`` are judged as a whole instead
+(``core.block_verification``, towards the rule's per-position target): their drafted rows
+and, for the all-kept case, vLLM's bonus token (a draw from the last row's q, as a one-hot
+row) go to ``verify_block``, with the request's own generator when it is seeded. With
+one-hot drafts (vLLM's default ``draft_sample_method = greedy``) a block keeps as many drafts
+as token verification on average; it keeps more with ``probabilistic`` drafts.
+
 Which rule each row asks for comes from ``Batch``, which the runner's ``_sample`` sets
 for the duration of one sampling call (``plugin``).
 """
@@ -23,7 +30,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import SpS
+from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.targets import kernel_target
 from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
@@ -43,6 +52,20 @@ class Current:
     """The batch of the sampling call in progress (one per worker process)."""
 
     batch: Batch | None = None
+
+
+@dataclass(frozen=True)
+class RuleRow:
+    """A sampled row that asks for a rule: its index in the batch, request, spec and span."""
+
+    index: int
+    request_id: str
+    spec: DecodeSpec
+    span: tuple[int, int]
+
+    @property
+    def block(self) -> bool:
+        return self.spec.verification == "block"
 
 
 def spans(num_draft_tokens: list[int]) -> list[tuple[int, int]]:
@@ -151,7 +174,8 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
                 None,
             )
         q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
-        targets = rule_targets(q, draft_token_ids, draft_probs, [r[1:] for r in rows])
+        chains = [(r.spec, r.span) for r in rows if not r.block]
+        targets = rule_targets(q, draft_token_ids, draft_probs, chains)
         recovered = m.sample_recovered_tokens(
             max_spec_len,
             num_draft_tokens,
@@ -176,6 +200,18 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
             max_spec_len,
             None,
         )
+        blocks = [r for r in rows if r.block]
+        if blocks:
+            judge_blocks(
+                out,
+                blocks,
+                q,
+                draft_token_ids,
+                draft_probs,
+                bonus_token_ids,
+                sampling_metadata.generators,
+                m.PLACEHOLDER_TOKEN_ID,
+            )
         try:
             _meter(meter, rows, out, q, draft_token_ids, draft_probs)
         except Exception:  # the meter must never take the engine down
@@ -185,10 +221,41 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
     return rejection_sample
 
 
+def judge_blocks(
+    out: Tensor,  # [B, K+1] the kernels' tokens, block rows overwritten here
+    blocks: list[RuleRow],
+    q: Tensor,  # [T, V]
+    draft_ids: Tensor,  # [T]
+    draft_probs: Tensor | None,  # [T, V]
+    bonus_ids: Tensor,  # [B, 1] vLLM's draws from each row's last q
+    generators: dict[int, torch.Generator],
+    placeholder: int,
+) -> None:
+    """Each block row's tokens from ``verify_block`` towards its rule's targets: the drafted
+    rows of q, then the bonus token as a one-hot row (emitted when every draft is kept).
+    Rows of one rule, draft length and seededness are judged in one call."""
+    groups: dict[tuple, list[RuleRow]] = defaultdict(list)
+    for row in blocks:
+        n = row.span[1] - row.span[0]
+        groups[row.spec.rule, n, row.index in generators].append(row)
+    vocab = q.shape[-1]
+    for (rule, n, seeded), rows in groups.items():
+        index = torch.cat([torch.arange(*row.span, device=q.device) for row in rows])  # [R n]
+        batch = torch.tensor([row.index for row in rows], device=q.device)  # [R]
+        bonus = one_hot(bonus_ids[batch, 0].long(), vocab).to(q.dtype)  # [R, V]
+        rows_q = torch.cat([q[index].view(len(rows), n, vocab), bonus[:, None]], 1)  # [R, n+1, V]
+        p = None if draft_probs is None else draft_probs[index].float().view(len(rows), n, vocab)
+        ids = draft_ids[index].long().view(len(rows), n)  # [R, n]
+        generator = [generators[row.index] for row in rows] if seeded else None
+        tokens = verify_block(ids, rows_q, p, generator, validate=False, rule=rule).tokens
+        out[batch] = placeholder
+        out[batch, : n + 1] = torch.where(tokens < 0, placeholder, tokens).to(out)  # [R, n+1]
+
+
 def _rule_rows(
     batch: Batch | None, num_draft_tokens: list[int], sampling_metadata
-) -> list[tuple[str, DecodeSpec, tuple[int, int]]]:
-    """(request id, spec, span) of the sampled (not greedy) rows that ask for a rule."""
+) -> list[RuleRow]:
+    """The sampled (not greedy) rows that ask for a rule."""
     if batch is None or sampling_metadata.all_greedy:
         return []
     if len(batch.specs) != len(num_draft_tokens):
@@ -197,32 +264,25 @@ def _rule_rows(
             f"{len(num_draft_tokens)}; this vLLM is not one the plugin supports"
         )
     greedy = (sampling_metadata.temperature == 0).tolist()
+    rows = zip(batch.request_ids, batch.specs, spans(num_draft_tokens), greedy, strict=True)
     return [
-        (request_id, spec, span)
-        for request_id, spec, span, is_greedy, n in zip(
-            batch.request_ids,
-            batch.specs,
-            spans(num_draft_tokens),
-            greedy,
-            num_draft_tokens,
-            strict=True,
-        )
-        if spec is not None and not is_greedy and n > 0
+        RuleRow(index, request_id, spec, span)
+        for index, (request_id, spec, span, is_greedy) in enumerate(rows)
+        if spec is not None and not is_greedy and span[1] > span[0]
     ]
 
 
 def _meter(
     meter: Meter,
-    rows: list[tuple[str, DecodeSpec, tuple[int, int]]],
+    rows: list[RuleRow],
     out: Tensor,  # [B, K+1]
     q: Tensor,  # [T, V]
     draft_ids: Tensor,  # [T]
     draft_probs: Tensor | None,  # [T, V]
 ) -> None:
     emitted = (out != -1).sum(-1).tolist()  # [B]
-    row_of = {request_id: i for i, request_id in enumerate(Current.batch.request_ids)}
     chains = [
-        Chain(request_id, spec, start, end - start, emitted[row_of[request_id]])
-        for request_id, spec, (start, end) in rows
+        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index])
+        for r in rows
     ]
     meter.record(chains, q, draft_ids, draft_probs)
