@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
+from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.kl_target import kl_target
+from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
 from cactus_spec.integrations.vllm.plugin import check_version, resolve, resolve_all
 from cactus_spec.integrations.vllm.requests import default_spec, request_spec
-from cactus_spec.integrations.vllm.sampler import rule_targets, spans
+from cactus_spec.integrations.vllm.sampler import RuleRow, judge_blocks, rule_targets, spans
 
 CACTUS = DecodeSpec.of("cactus", delta=0.5)
+BLOCK = DecodeSpec.of("sps", verification="block")
 
 
 def test_a_request_names_its_rule_with_prefixed_keys_and_text_values() -> None:
@@ -86,6 +89,43 @@ def test_rule_targets_replace_only_the_rule_rows_with_h() -> None:
     targets = rule_targets(q, ids, p, [(CACTUS, (3, 7))])
     assert torch.equal(targets[:3], q[:3])
     assert torch.equal(targets[3:], CACTUS.rule.h(q[3:], ids[3:].long(), p[3:]))
+
+
+@pytest.mark.parametrize("spec", [BLOCK, DecodeSpec.of("cactus", delta=1.0, verification="block")])
+@pytest.mark.parametrize("one_hot_drafts", [False, True])
+def test_blocks_judged_on_their_support_draw_what_the_whole_vocabulary_draws(
+    spec: DecodeSpec, one_hot_drafts: bool
+) -> None:
+    """judge_blocks drops the tokens where q is 0 (top-k) and that no draft or bonus names:
+    the same tokens as verify_block over all V columns, draw for draw, seeded rows and not."""
+    gen = torch.Generator().manual_seed(3)
+    rows, n, vocab = 6, 3, 500
+    logits = 3 * torch.randn(rows * n, vocab, generator=gen)  # [T, V], then top-k 20
+    logits[logits < logits.topk(20, -1).values[:, -1:]] = -torch.inf
+    q = logits.softmax(-1)
+    p = torch.softmax(torch.randn(rows * n, vocab, generator=gen), -1)  # full support
+    ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)  # [T]
+    bonus = torch.randint(0, vocab, (rows, 1), generator=gen)
+    blocks = [RuleRow(i, str(i), spec, (i * n, i * n + n)) for i in range(rows)]
+    seeds = {i: torch.Generator().manual_seed(10 + i) for i in range(0, rows, 2)}  # 0, 2, 4
+    draft_probs = None if one_hot_drafts else p
+    out = torch.full((rows, n + 1), -1, dtype=torch.int32)
+    torch.manual_seed(7)
+    judge_blocks(out, blocks, q, ids.int(), draft_probs, bonus, seeds, -1)
+    seeds = {i: torch.Generator().manual_seed(10 + i) for i in range(0, rows, 2)}
+    torch.manual_seed(7)
+    whole = {}
+    for group in ([0, 2, 4], [1, 3, 5]):  # judge_blocks's groups: seeded rows, then the rest
+        index = torch.tensor(group)
+        q_rows = torch.cat(
+            [q.view(rows, n, vocab)[index], one_hot(bonus[index, 0], vocab)[:, None]], 1
+        )
+        p_rows = None if one_hot_drafts else p.view(rows, n, vocab)[index]
+        generator = [seeds[i] for i in group] if group[0] in seeds else None
+        result = verify_block(ids.view(rows, n)[index], q_rows, p_rows, generator, rule=spec.rule)
+        whole.update(zip(group, result.tokens.int(), strict=True))
+    assert torch.equal(out, torch.stack([whole[i] for i in range(rows)]))
+    assert len({tuple(r.tolist()) for r in out}) > 1  # rows differ: the check can fail
 
 
 def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> None:

@@ -42,7 +42,8 @@ def kl_target(q: Tensor, p: Tensor, delta: float) -> Tensor:
         return q.float()
     shape = q.shape
     q_rows, p_rows = q.reshape(-1, shape[-1]), p.reshape(-1, shape[-1])  # [R, V]
-    used = ((q_rows > 0) | (p_rows > 0)).any(0).nonzero().squeeze(-1)  # [S] (top-k: small)
+    # t is 0 off q's support and p there counts nowhere: solve on the union of q's supports
+    used = (q_rows > 0).any(0).nonzero().squeeze(-1)  # [S] (top-k: small)
     t = _solve(q_rows[:, used].double(), p_rows[:, used].double(), delta)  # [R, S]
     out = torch.zeros(q_rows.shape, dtype=torch.float32, device=q.device)
     out[:, used] = t.float()

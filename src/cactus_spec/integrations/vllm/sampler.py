@@ -238,18 +238,30 @@ def judge_blocks(
     for row in blocks:
         n = row.span[1] - row.span[0]
         groups[row.spec.rule, n, row.index in generators].append(row)
-    vocab = q.shape[-1]
     for (rule, n, seeded), rows in groups.items():
         index = torch.cat([torch.arange(*row.span, device=q.device) for row in rows])  # [R n]
         batch = torch.tensor([row.index for row in rows], device=q.device)  # [R]
-        bonus = one_hot(bonus_ids[batch, 0].long(), vocab).to(q.dtype)  # [R, V]
-        rows_q = torch.cat([q[index].view(len(rows), n, vocab), bonus[:, None]], 1)  # [R, n+1, V]
-        p = None if draft_probs is None else draft_probs[index].float().view(len(rows), n, vocab)
-        ids = draft_ids[index].long().view(len(rows), n)  # [R, n]
+        ids, bonus = draft_ids[index].long(), bonus_ids[batch, 0].long()  # [R n], [R]
+        used = _support(q[index], ids, bonus)  # [S]
+        size = (len(rows), n, used.numel())
+        rows_q = q[index][:, used].view(size)  # [R, n, S]
+        p = None if draft_probs is None else draft_probs[index][:, used].float().view(size)
+        bonus_row = one_hot(torch.searchsorted(used, bonus), size[-1]).to(q.dtype)  # [R, S]
+        rows_q = torch.cat([rows_q, bonus_row[:, None]], 1)  # [R, n+1, S]
+        local = torch.searchsorted(used, ids).view(len(rows), n)  # [R, n]
         generator = [generators[row.index] for row in rows] if seeded else None
-        tokens = verify_block(ids, rows_q, p, generator, validate=False, rule=rule).tokens
+        tokens = verify_block(local, rows_q, p, generator, validate=False, rule=rule).tokens
+        tokens = torch.where(tokens < 0, placeholder, used[tokens.clamp_min(0)])  # [R, n+1]
         out[batch] = placeholder
-        out[batch, : n + 1] = torch.where(tokens < 0, placeholder, tokens).to(out)  # [R, n+1]
+        out[batch, : n + 1] = tokens.to(out)
+
+
+def _support(q: Tensor, ids: Tensor, bonus: Tensor) -> Tensor:
+    """The sorted tokens a block can emit or weigh [S]: q's support, the drafts and the bonus
+    tokens. Off them q is 0, so neither the weights, the residuals nor the targets (which stay
+    in q's support) read p there: judging on them alone is judging on the whole vocabulary."""
+    inside = (q > 0).any(0).nonzero().squeeze(-1)  # [S0]
+    return torch.unique(torch.cat([inside, ids, bonus]))  # sorted
 
 
 def _rule_rows(
