@@ -242,9 +242,10 @@ def judge_blocks(
         index = torch.cat([torch.arange(*row.span, device=q.device) for row in rows])  # [R n]
         batch = torch.tensor([row.index for row in rows], device=q.device)  # [R]
         ids, bonus = draft_ids[index].long(), bonus_ids[batch, 0].long()  # [R n], [R]
-        used = _support(q[index], ids, bonus)  # [S]
+        q_rows = q[index]  # [R n, V]
+        used = _support(q_rows, ids, bonus)  # [S]
         size = (len(rows), n, used.numel())
-        rows_q = q[index][:, used].view(size)  # [R, n, S]
+        rows_q = q_rows[:, used].view(size)  # [R, n, S]
         p = None if draft_probs is None else draft_probs[index][:, used].float().view(size)
         bonus_row = one_hot(torch.searchsorted(used, bonus), size[-1]).to(q.dtype)  # [R, S]
         rows_q = torch.cat([rows_q, bonus_row[:, None]], 1)  # [R, n+1, S]
