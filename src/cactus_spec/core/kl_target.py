@@ -67,8 +67,10 @@ def _solve(q64: Tensor, p64: Tensor, delta: float) -> Tensor:
     parts = torch.arange(1, _SPLIT + 1, dtype=hi.dtype, device=hi.device) / (_SPLIT + 1)  # [M]
     for _ in range(_ROUNDS):
         mids = lo + (hi - lo) * parts  # [R, M] ascending
-        fits = (sums.kl(torch.exp(mids)) <= delta).sum(-1, keepdim=True)  # [R, 1]
-        # the KL grows with b: the first `fits` points fit, the next one does not
+        within = (sums.kl(torch.exp(mids)) <= delta).long()  # [R, M]
+        # the KL grows with b; counting the leading points that fit keeps lo a point that
+        # fits (the bound stays exact) even where rounding breaks the order
+        fits = within.cumprod(-1).sum(-1, keepdim=True)  # [R, 1]
         lo = torch.where(fits > 0, mids.gather(-1, (fits - 1).clamp_min(0)), lo)
         hi = torch.where(fits < _SPLIT, mids.gather(-1, fits.clamp_max(_SPLIT - 1)), hi)
     b = torch.exp(lo)  # [R, 1]
