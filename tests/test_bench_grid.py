@@ -85,6 +85,30 @@ def test_another_draft_model_expands_and_marks_ids() -> None:
         expand([parse_entry("ar:draft=smollm2-135m")], [6])
 
 
+def test_a_cut_draft_head_expands_and_marks_ids() -> None:
+    entries = ["sps:draft_vocab=32768", "sps:draft=smollm2-135m:draft_vocab=1000", "sps"]
+    grid = expand([parse_entry(e) for e in entries], [6])
+    assert ids(grid) == [
+        "sps/K6/model/vocab32768",
+        "sps/K6/model=smollm2-135m/vocab1000",
+        "sps/K6/model",
+    ]
+    assert [c.draft_key for c in grid] == ["--draft vocab=32768", "smollm2-135m vocab=1000", None]
+    assert grid[0].label == "sps K6 vocab=32768" and grid[0].spec == grid[2].spec
+    assert Config.from_dict(grid[1].as_dict()) == grid[1]
+    assert "draft_vocab" not in grid[2].as_dict()  # a run recorded before cut heads keeps its id
+    with pytest.raises(ValueError, match="peer: draft_vocab does not apply"):
+        expand([parse_entry("hf_assisted:draft_vocab=5")], [6])
+    with pytest.raises(ValueError, match="draft_vocab applies to the model drafter, not ngram"):
+        expand([parse_entry("sps:drafter=ngram:draft_vocab=5")], [6])
+    with pytest.raises(ValueError, match="draft_vocab must be an integer >= 1, got 0"):
+        expand([parse_entry("sps:draft_vocab=0")], [6])
+    with pytest.raises(ValueError, match="draft_vocab must be an integer, got 'x'"):
+        expand([parse_entry("sps:draft_vocab=x")], [6])
+    with pytest.raises(ValueError, match="drafts nothing"):
+        expand([parse_entry("ar:draft_vocab=5")], [6])
+
+
 def test_entry_overrides_and_duplicates() -> None:
     grid = expand([parse_entry("sps:drafter=ngram:num_draft_tokens=3"), parse_entry("ar")] * 2)
     assert ids(grid) == ["sps/K3/ngram", "ar"]

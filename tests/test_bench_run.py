@@ -255,6 +255,24 @@ def test_one_run_compares_draft_models(prompts: Path, models, tmp_path) -> None:
         run_bench(config, items, target, draft, tmp_path / "other")
 
 
+def test_one_run_compares_draft_heads(prompts: Path, models, tmp_path) -> None:
+    """A grid naming a cut head of the run's draft drafts with the model given under its key
+    (``--draft vocab=N``), records the head beside the run's, and refuses to run without it."""
+    target, draft = models
+    config = settings(prompts, grid=["sps", "sps:draft_vocab=7"])
+    assert config.other_drafts == {"--draft vocab=7": (None, 7)}
+    items = load_items(config.task)
+    cut = {None: draft, "--draft vocab=7": target}  # the verifier keeps every draft it drafts
+    summary = run_bench(config, items, target, cut, tmp_path / "o")
+    by_id = {c["id"]: c for c in summary["configs"]}
+    assert by_id["sps/K3/model/vocab7"]["draft_vocab"] == 7
+    assert by_id["sps/K3/model/vocab7"]["mean_accepted"] > by_id["sps/K3/model"]["mean_accepted"]
+    assert summary["run"]["models"]["other_drafts"]["--draft vocab=7"] is not None
+    assert "| 3 (model, vocab 7) |" in (tmp_path / "o" / "summary.md").read_text()
+    with pytest.raises(ValueError, match="names draft models not given: --draft vocab=7"):
+        run_bench(config, items, target, draft, tmp_path / "other")
+
+
 def test_a_resumed_run_drops_a_line_cut_short_by_a_crash(tmp_path, capsys) -> None:
     from cactus_spec.bench.store import RunDirectory
 

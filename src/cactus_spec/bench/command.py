@@ -152,10 +152,12 @@ def main_bench(args: argparse.Namespace) -> int:
         check_int("--draft-vocab", args.draft_vocab)
     out = default_out(args, settings)
     check_writable_dir(out)
-    verifier_source, draft_source = _sources(args, settings.needs_draft)
+    others = settings.other_drafts
+    cut = any(name is None for name, _ in others.values())  # the run's draft, its head cut
+    verifier_source, draft_source = _sources(args, settings.needs_draft or cut)
     verifiers = {quant: _load(verifier_source, args, quant) for quant in settings.verifiers}
     drafts: dict[str | None, LoadedModel] = {}
-    if draft_source is not None:
+    if draft_source is not None and settings.needs_draft:
         same = draft_source == verifier_source and args.draft_quant in verifiers
         same = same and args.draft_vocab is None
         drafts[None] = (
@@ -163,8 +165,9 @@ def main_bench(args: argparse.Namespace) -> int:
             if same
             else _load(draft_source, args, args.draft_quant, args.draft_vocab)
         )
-    for name in settings.other_drafts:
-        drafts[name] = _load(name, args, args.draft_quant, args.draft_vocab)
+    for key, (name, head) in others.items():
+        head = args.draft_vocab if head is None else head
+        drafts[key] = _load(name or draft_source, args, args.draft_quant, head)
     run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

@@ -24,7 +24,9 @@ Each entry expands to the product of its value lists; KEY may also be ``num_draf
 leaves the draft length to the engine's policy: per iteration, and stopped inside it by the
 draft's confidence), ``draft`` (a draft model other than the run's ``--draft``, by name or
 path, for the engine's methods: one with another tokenizer drafts across vocabularies,
-``sps:draft=smollm2-135m``), or ``verifier`` (the verifier's weights, ``none``, ``int8`` or
+``sps:draft=smollm2-135m``), ``draft_vocab`` (the draft's LM head cut to its N most frequent
+tokens, of the entry's draft model or else the run's: ``sps:draft_vocab=32768``; default:
+``--draft-vocab``), or ``verifier`` (the verifier's weights, ``none``, ``int8`` or
 ``int4``; default: ``--verifier-quant``) for every method but llama.cpp's, which runs the
 GGUF itself:
 ``cactus:delta=1:verifier=none,int8`` compares both in one run.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
+from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.spec import AUTO_K, TREES, DecodeSpec, parse_spec
 
@@ -56,7 +59,7 @@ PEERS: dict[str, dict[str, int]] = {
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "branches", "draft")
+_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "branches", "draft", "draft_vocab")
 
 Entry = tuple[str, dict[str, list]]
 
@@ -73,6 +76,16 @@ class Config:
     verification: str = "chain"  # how the engine judges drafts (core.spec.VERIFICATIONS)
     draft: str | None = None  # another draft model (name or path); None: the run's --draft
     branches: int = 1  # a tree's nodes per depth (1 unless a tree)
+    draft_vocab: int | None = None  # its head cut to the N most frequent tokens; None: the run's
+
+    @property
+    def draft_key(self) -> str | None:
+        """Which loaded draft it drafts with: None for the run's (``--draft`` with
+        ``--draft-vocab``), else the model's name, ``NAME vocab=N`` for a cut head (``--draft
+        vocab=N``: the run's draft model)."""
+        if self.draft_vocab is None:
+            return self.draft
+        return f"{self.draft or '--draft'} vocab={self.draft_vocab}"
 
     @property
     def drafts(self) -> bool:
@@ -99,13 +112,15 @@ class Config:
     @property
     def id(self) -> str:
         """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
-        drafter for another draft model, ``/block`` appended for block verification,
+        drafter for another draft model, ``/vocabN`` after it for a draft head cut to N tokens,
+        ``/block`` appended for block verification,
         ``/tree2`` for trees of two nodes per depth judged top down, ``/traversal2`` leaf to
         root, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
         head = head if self.draft is None else f"{head}={self.draft}"
+        head = head if self.draft_vocab is None else f"{head}/vocab{self.draft_vocab}"
         head = f"{head}/{self._judged}" if self.verification != "chain" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
@@ -122,6 +137,7 @@ class Config:
             words.append(f"K{_k_text(self.num_draft_tokens)}")
             words += ["ngram"] if self.drafter == "ngram" else []
             words += [] if self.draft is None else [f"draft={Path(self.draft).name}"]
+            words += [] if self.draft_vocab is None else [f"vocab={self.draft_vocab}"]
             words += [self._judged] if self.verification != "chain" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
@@ -143,6 +159,7 @@ class Config:
             "verifier": self.verifier,
             "verification": self.verification,
             **({"draft": self.draft} if self.draft is not None else {}),  # as recorded before
+            **({"draft_vocab": self.draft_vocab} if self.draft_vocab is not None else {}),
             **({"branches": self.branches} if self.verification in TREES else {}),
         }
 
@@ -158,6 +175,7 @@ class Config:
             data.get("verification", "chain"),  # runs recorded before block verification
             data.get("draft"),  # runs recorded before other draft models
             data.get("branches", 1),
+            data.get("draft_vocab"),  # runs recorded before cut draft heads
         )
 
 
@@ -178,6 +196,7 @@ def make_config(
     verification: object = None,
     draft: object = None,
     branches: object = None,
+    draft_vocab: object = None,
 ) -> Config:
     """A validated configuration; values may be text (the command line). An engine method's
     parameters, K, drafter and verification are read by ``core.spec.parse_spec``, a peer's K
@@ -205,6 +224,7 @@ def make_config(
         if value is not None and method not in METHODS:
             raise ValueError(f"{method} is a peer: {name} does not apply")
     draft = _draft_model(method, draft, drafter)
+    draft_vocab = _draft_vocab(method, draft_vocab, drafter)
     try:
         if method in METHODS:
             judged = {"verification": verification, "branches": branches}
@@ -227,6 +247,7 @@ def make_config(
         spec.verification if method in METHODS else "chain",
         draft,
         spec.branches if method in METHODS else 1,
+        draft_vocab,
     )
 
 
@@ -241,6 +262,20 @@ def _draft_model(method: str, draft: object, drafter: object) -> str | None:
     if drafter is not None and str(drafter).strip() != "model":
         raise ValueError(f"{method}: draft applies to the model drafter, not {drafter}")
     return draft.strip()
+
+
+def _draft_vocab(method: str, size: object, drafter: object) -> int | None:
+    """The head size named for an engine method that drafts with the model drafter."""
+    if size is None:
+        return None
+    if method not in METHODS:
+        raise ValueError(f"{method} is a peer: draft_vocab does not apply")
+    if drafter is not None and str(drafter).strip() != "model":
+        raise ValueError(f"{method}: draft_vocab applies to the model drafter, not {drafter}")
+    try:
+        return check_int("draft_vocab", _peer_int("draft_vocab", size))
+    except ValueError as err:
+        raise ValueError(f"{method}: {err}") from None
 
 
 def _peer_int(name: str, value: object) -> int:
@@ -260,12 +295,14 @@ def expand(
     verifications: Sequence[str | None] = (None,),
     drafts: Sequence[str | None] = (None,),
     branches: Sequence[int | None] = (None,),
+    draft_vocabs: Sequence[int | None] = (None,),
 ) -> tuple[Config, ...]:
     """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
     verifier formats of entries that name none (llama.cpp's always run the GGUF);
     ``verifications``: how the engine's drafting entries that name none judge drafts
     (None: chain); ``drafts``: their draft models (None: the run's); ``branches``: their
-    trees' nodes per depth (None: the default, for trees)."""
+    trees' nodes per depth (None: the default, for trees); ``draft_vocabs``: their draft heads
+    (None: the draft's own)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
@@ -279,14 +316,15 @@ def expand(
         judged = lists.get("verification", verifications if method in METHODS else [None])
         draft_values = lists.get("draft", drafts if method in METHODS else [None])
         widths = lists.get("branches", branches if method in METHODS else [None])
+        heads = lists.get("draft_vocab", draft_vocabs if method in METHODS else [None])
         if "branches" in lists and not set(TREES) & {_text(v) for v in judged}:
             raise ValueError(
                 f"{method}: branches applies to verification {' or '.join(TREES)} only"
             )
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
-        for combo in itertools.product(*axes, judged, draft_values, widths):
-            *values, k, drafter, verifier, verification, draft, width = combo
+        for combo in itertools.product(*axes, judged, draft_values, widths, heads):
+            *values, k, drafter, verifier, verification, draft, width, head = combo
             params = dict(zip(names, values, strict=True))
             config = make_config(
                 method,
@@ -297,6 +335,7 @@ def expand(
                 verification,
                 draft,
                 _tree_only(width, verification),
+                head,
             )
             configs.setdefault(config.id, config)
     if not configs:
@@ -353,7 +392,8 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     verifications = _listed(raw.get("verification", [None]))
     drafts = _listed(raw.get("draft", [None]))
     widths = _listed(raw.get("branches", [None]))
-    return expand(entries, ks, drafters, verifiers, verifications, drafts, widths)
+    heads = _listed(raw.get("draft_vocab", [None]))
+    return expand(entries, ks, drafters, verifiers, verifications, drafts, widths, heads)
 
 
 def _read_structured(path: Path) -> dict:

@@ -39,6 +39,7 @@ def _k(config: dict) -> str:
     block = "" if judged == "chain" else f", {judged}"
     block += str(config["branches"]) if judged in TREES else ""
     drafter = config["drafter"] if config.get("draft") is None else Path(config["draft"]).name
+    drafter += "" if config.get("draft_vocab") is None else f", vocab {config['draft_vocab']}"
     return f"{'auto' if k is None else k} ({drafter}{block})"
 
 

@@ -60,12 +60,13 @@ Job = tuple[int, Item, Config]
 Verifiers = LoadedModel | Mapping[str, LoadedModel]
 
 
-#: The run's draft model (None: none), or ``{None: it, name: another draft the grid names}``.
+#: The run's draft model (None: none), or ``{None: it, key: another draft the grid names}``
+#: (keys: ``Config.draft_key``).
 Drafts = LoadedModel | None | Mapping[str | None, LoadedModel]
 
 
 def as_drafts(drafts: Drafts) -> dict[str | None, LoadedModel]:
-    """``{Config.draft: model}``; a single model (or None) is the run's draft."""
+    """``{Config.draft_key: model}``; a single model (or None) is the run's draft."""
     if drafts is None:
         return {}
     return {None: drafts} if isinstance(drafts, LoadedModel) else dict(drafts)
@@ -106,12 +107,14 @@ class BenchSettings:
     @property
     def needs_draft(self) -> bool:
         """Whether some configuration drafts with the run's draft model."""
-        return any(c.drafts and c.drafter == "model" and c.draft is None for c in self.grid)
+        return any(c.drafts and c.drafter == "model" and c.draft_key is None for c in self.grid)
 
     @property
-    def other_drafts(self) -> list[str]:
-        """The draft models the grid names besides the run's, in grid order."""
-        return list(dict.fromkeys(c.draft for c in self.grid if c.draft is not None))
+    def other_drafts(self) -> dict[str, tuple[str | None, int | None]]:
+        """The drafts the grid names besides the run's, in grid order: ``{Config.draft_key:
+        (model name, or None for the run's draft model; head size, or None for --draft-vocab)}``."""
+        named = (c for c in self.grid if c.draft_key is not None)
+        return {c.draft_key: (c.draft, c.draft_vocab) for c in named}
 
     @property
     def verifiers(self) -> list[str]:
@@ -200,7 +203,7 @@ class Runner:
         verifier = self.verifiers[config.verifier]
         options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
         spec = config.spec
-        draft = self.drafts[config.draft] if spec.drafts and spec.drafter == "model" else None
+        draft = self.drafts[config.draft_key] if spec.drafts and spec.drafter == "model" else None
         return SpeculativeDecoder(verifier, draft, spec, **options)
 
     def _llamacpp(self) -> LlamaCppPeers | None:

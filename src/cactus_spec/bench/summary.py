@@ -220,8 +220,9 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
 
 
 def _drafting(config: dict) -> tuple:
-    """What a configuration drafts with: K, the drafter, the draft model and the verifier."""
-    keys = ("num_draft_tokens", "drafter", "draft", "verifier")
+    """What a configuration drafts with: K, the drafter, the draft model and its head, and
+    the verifier."""
+    keys = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "verifier")
     return tuple(config.get(key) for key in keys)
 
 
