@@ -149,20 +149,33 @@ def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> Non
 
 
 def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
-    """A block emits t = kl_target(q, p) at each drafted position: KL(t || q) per position,
-    which the chain's law (the per-token h) does not give (the negative control)."""
+    """A block emits t = kl_target(q, p) at each drafted position: the meter adds KL(t || q)
+    over the positions it emitted, handed over by judge_blocks (solved there on the block's
+    support), which the chain's law (the per-token h) does not give (the negative control)."""
     gen = torch.Generator().manual_seed(2)
-    q = torch.softmax(3 * torch.randn(6, 30, generator=gen), -1)  # [T, V]
+    logits = 3 * torch.randn(6, 30, generator=gen)  # [T, V], then top-k 12
+    logits[logits < logits.topk(12, -1).values[:, -1:]] = -torch.inf
+    q = logits.softmax(-1)
     p = torch.softmax(torch.randn(6, 30, generator=gen), -1)
     ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)
     block = DecodeSpec.of("cactus", delta=0.5, verification="block")
+    out = torch.full((1, 7), -1, dtype=torch.int32)
+    rows = [RuleRow(0, "b", block, (0, 6))]
+    block_kl = judge_blocks(out, rows, q, ids.int(), p, torch.tensor([[ids[0]]]), {}, -1)
+    emitted = int((out != -1).sum())
+    positions = min(emitted, 6)
     meter = Meter()
-    meter.record([Chain("b", block, 0, 6, 4), Chain("c", CACTUS, 0, 6, 4)], q, ids, p)
+    chains = [Chain("b", block, 0, 6, emitted), Chain("c", CACTUS, 0, 6, emitted)]
+    meter.record(chains, q, ids, p, block_kl)
     measured_block, measured_chain = meter.finish("b").kl_nats, meter.finish("c").kl_nats
-    t = kl_target(q[:4], p[:4], 0.5)
-    assert measured_block == pytest.approx(float(kl(t, q[:4]).sum()), rel=1e-6)
-    assert measured_chain == pytest.approx(float(step_divergences(p[:4], q[:4], CACTUS.rule).sum()))
+    expected = kl(kl_target(q, p, 0.5), q)[:positions].sum()  # the whole vocabulary's t
+    assert positions > 0 and measured_block == pytest.approx(float(expected), rel=1e-6)
+    assert measured_chain == pytest.approx(
+        float(step_divergences(p[:positions], q[:positions], CACTUS.rule).sum())
+    )
     assert measured_block != pytest.approx(measured_chain, rel=1e-3)
+    with pytest.raises(ValueError, match="block_kl must hold the divergences"):
+        meter.record(chains[:1], q, ids, p)
 
 
 def test_a_lossless_rule_spends_nothing() -> None:

@@ -10,7 +10,8 @@ the request samples from (after temperature, top-k, top-p and penalties):
 - drafts with probabilities: ``audit.step_divergences``, exact on the union of supports,
   NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k);
 - blocks (``verification = block``): the block emits its rule's target t at every drafted
-  position, so the law is t and the meter adds KL(t || q), exact at any vocabulary.
+  position, so the law is t and the meter adds KL(t || q), exact at any vocabulary (the
+  sampler hands it over from judging the block, where t was solved).
 
 When a request finishes (the worker learns it at its next step), the worker logs one line,
 appends one JSON line (request id, method, params, verification, drafted, accepted,
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
+from cactus_spec.core.audit import one_hot_divergences, step_divergences
 from cactus_spec.core.rules import Rule
 from cactus_spec.core.spec import DecodeSpec
 
@@ -66,8 +67,10 @@ class Meter:
         q: Tensor,  # [T, V] the batch's processed verifier rows
         draft_ids: Tensor,  # [T]
         p: Tensor | None,  # [T, V], None for one-hot drafts
+        block_kl: Tensor | None = None,  # [T] KL(t || q) per drafted position of each block
     ) -> None:
-        """Add one verified chain per request; lossy rules' divergences in one call per rule."""
+        """Add one verified chain (or block) per request; lossy rules' chain divergences in one
+        call per rule, blocks' read from ``block_kl``."""
         by_rule: dict[tuple[object, bool], list[Chain]] = defaultdict(list)
         for chain in chains:
             tally = self.tallies.setdefault(
@@ -80,9 +83,15 @@ class Meter:
             if chain.positions and not chain.spec.lossless:
                 by_rule[chain.spec.rule, chain.spec.verification == "block"].append(chain)
         for (rule, block), group in by_rule.items():
-            measure = _block_divergences if block else _divergences
-            for chain, nats in zip(group, measure(rule, group, q, draft_ids, p), strict=True):
-                self.tallies[chain.request_id].kl_nats += nats
+            if block and block_kl is None:
+                raise ValueError("block_kl must hold the divergences of the blocks judged")
+            nats = (
+                _sums(group, block_kl[_positions(group)])
+                if block
+                else _divergences(rule, group, q, draft_ids, p)
+            )
+            for chain, value in zip(group, nats, strict=True):
+                self.tallies[chain.request_id].kl_nats += value
 
     def finish(self, request_id: str) -> Tally | None:
         """Close a request: log its line, append its JSON line, forget it."""
@@ -146,17 +155,6 @@ def _divergences(
     return _sums(chains, per_position)
 
 
-def _block_divergences(
-    rule: Rule, chains: list[Chain], q: Tensor, ids: Tensor, p: Tensor | None
-) -> list[float]:
-    """Each block's KL(t || q) summed over its emitted positions, t = ``rule.block_target``
-    (a function of each position's q and p rows alone)."""
-    index = _positions(chains)  # [P]
-    rows_q = q[index]  # [P, V]
-    t = rule.block_target(rows_q, ids[index].long(), None if p is None else p[index].float())
-    return _sums(chains, kl(t, rows_q))
-
-
 def _positions(chains: list[Chain]) -> Tensor:
     """The flattened token axis's indices of the chains' emitted positions -> [P]."""
     return torch.cat([torch.arange(c.start, c.start + c.positions) for c in chains])
@@ -165,5 +163,6 @@ def _positions(chains: list[Chain]) -> Tensor:
 def _sums(chains: list[Chain], per_position: Tensor) -> list[float]:
     """``per_position`` [P] summed per chain (its ``positions`` consecutive entries)."""
     owner = torch.repeat_interleave(torch.tensor([c.positions for c in chains]))  # [P]
+    per_position = per_position.double().cpu()
     sums = torch.zeros(len(chains), dtype=torch.float64).index_add_(0, owner, per_position)
     return sums.tolist()

@@ -11,7 +11,8 @@ Greedy rows (temperature 0) go through vLLM's greedy kernel untouched.
 Rows that ask for ``verification = block`` are judged as a whole instead
 (``core.block_verification``, towards the rule's per-position target): their drafted rows
 and, for the all-kept case, vLLM's bonus token (a draw from the last row's q, as a one-hot
-row) go to ``verify_block``, with the request's own generator when it is seeded. With
+row) go to ``verify_block``, with the request's own generator when it is seeded; the targets
+solved to judge them give the meter its KL(t || q) too. With
 one-hot drafts (vLLM's default ``draft_sample_method = greedy``) a block keeps as many drafts
 as token verification on average; it keeps more with ``probabilistic`` drafts.
 
@@ -30,6 +31,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from cactus_spec.core.audit import kl
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import one_hot
@@ -201,8 +203,9 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
             None,
         )
         blocks = [r for r in rows if r.block]
+        block_kl = None
         if blocks:
-            judge_blocks(
+            block_kl = judge_blocks(
                 out,
                 blocks,
                 q,
@@ -213,7 +216,7 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
                 m.PLACEHOLDER_TOKEN_ID,
             )
         try:
-            _meter(meter, rows, out, q, draft_token_ids, draft_probs)
+            _meter(meter, rows, out, q, draft_token_ids, draft_probs, block_kl)
         except Exception:  # the meter must never take the engine down
             logger.exception("cactus-spec: the divergence meter failed; tokens are unaffected")
         return out
@@ -230,10 +233,13 @@ def judge_blocks(
     bonus_ids: Tensor,  # [B, 1] vLLM's draws from each row's last q
     generators: dict[int, torch.Generator],
     placeholder: int,
-) -> None:
-    """Each block row's tokens from ``verify_block`` towards its rule's targets: the drafted
-    rows of q, then the bonus token as a one-hot row (emitted when every draft is kept).
-    Rows of one rule, draft length and seededness are judged in one call."""
+) -> Tensor:
+    """Each block row's tokens from ``verify_block`` towards its rule's targets t (the rule's
+    ``block_target`` of the drafted rows of q), then the bonus token as a one-hot row (emitted
+    when every draft is kept). Rows of one rule, draft length and seededness are judged in one
+    call. Returns KL(t || q) at every drafted position of a lossy rule's block, 0 elsewhere
+    -> [T] float64 (the meter's, so the targets are solved once)."""
+    divergences = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)  # [T]
     groups: dict[tuple, list[RuleRow]] = defaultdict(list)
     for row in blocks:
         n = row.span[1] - row.span[0]
@@ -247,14 +253,19 @@ def judge_blocks(
         size = (len(rows), n, used.numel())
         rows_q = q_rows[:, used].view(size)  # [R, n, S]
         p = None if draft_probs is None else draft_probs[index][:, used].float().view(size)
-        bonus_row = one_hot(torch.searchsorted(used, bonus), size[-1]).to(q.dtype)  # [R, S]
-        rows_q = torch.cat([rows_q, bonus_row[:, None]], 1)  # [R, n+1, S]
         local = torch.searchsorted(used, ids).view(len(rows), n)  # [R, n]
+        targets = rows_q  # [R, n, S]
+        if not rule.lossless:
+            targets = rule.block_target(rows_q, local, p)
+            divergences[index] = kl(targets, rows_q).flatten()
+        bonus_row = one_hot(torch.searchsorted(used, bonus), size[-1]).to(q.dtype)  # [R, S]
+        targets = torch.cat([targets, bonus_row[:, None]], 1)  # [R, n+1, S]
         generator = [generators[row.index] for row in rows] if seeded else None
-        tokens = verify_block(local, rows_q, p, generator, validate=False, rule=rule).tokens
+        tokens = verify_block(local, targets, p, generator, validate=False).tokens
         tokens = torch.where(tokens < 0, placeholder, used[tokens.clamp_min(0)])  # [R, n+1]
         out[batch] = placeholder
         out[batch, : n + 1] = tokens.to(out)
+    return divergences
 
 
 def _support(q: Tensor, ids: Tensor, bonus: Tensor) -> Tensor:
@@ -292,10 +303,11 @@ def _meter(
     q: Tensor,  # [T, V]
     draft_ids: Tensor,  # [T]
     draft_probs: Tensor | None,  # [T, V]
+    block_kl: Tensor | None,  # [T] from judge_blocks, None without blocks
 ) -> None:
     emitted = (out != -1).sum(-1).tolist()  # [B]
     chains = [
         Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index])
         for r in rows
     ]
-    meter.record(chains, q, draft_ids, draft_probs)
+    meter.record(chains, q, draft_ids, draft_probs, block_kl)
