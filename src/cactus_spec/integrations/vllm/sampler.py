@@ -12,9 +12,10 @@ Rows that ask for ``verification = block`` are judged as a whole instead
 (``core.block_verification``, towards the rule's per-position target): their drafted rows
 and, for the all-kept case, vLLM's bonus token (a draw from the last row's q, as a one-hot
 row) go to ``verify_block``, with the request's own generator when it is seeded; the targets
-solved to judge them give the meter its KL(t || q) too. With
-one-hot drafts (vLLM's default ``draft_sample_method = greedy``) a block keeps as many drafts
-as token verification on average; it keeps more with ``probabilistic`` drafts.
+solved to judge them give the meter its KL(t || q) too. When every sampled row of a batch is
+a block, vLLM's random kernels are not run. With one-hot drafts (vLLM's default
+``draft_sample_method = greedy``) a block keeps as many drafts as token verification on
+average; it keeps more with ``probabilistic`` drafts.
 
 Which rule each row asks for comes from ``Batch``, which the runner's ``_sample`` sets
 for the duration of one sampling call (``plugin``).
@@ -176,33 +177,34 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
                 None,
             )
         q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
-        chains = [(r.spec, r.span) for r in rows if not r.block]
-        targets = rule_targets(q, draft_token_ids, draft_probs, chains)
-        recovered = m.sample_recovered_tokens(
-            max_spec_len,
-            num_draft_tokens,
-            cu_num_draft_tokens,
-            draft_token_ids,
-            draft_probs,
-            targets,
-            sampling_metadata,
-            device,
-            use_fp64_gumbel,
-        )  # [T]
-        m._rejection_random_sample(
-            out,
-            cu_num_draft_tokens,
-            draft_token_ids,
-            draft_probs,
-            targets,
-            bonus_token_ids,
-            recovered,
-            uniform,
-            is_greedy,
-            max_spec_len,
-            None,
-        )
         blocks = [r for r in rows if r.block]
+        if int((~is_greedy).sum()) > len(blocks):  # sampled rows the kernels judge
+            chains = [(r.spec, r.span) for r in rows if not r.block]
+            targets = rule_targets(q, draft_token_ids, draft_probs, chains)
+            recovered = m.sample_recovered_tokens(
+                max_spec_len,
+                num_draft_tokens,
+                cu_num_draft_tokens,
+                draft_token_ids,
+                draft_probs,
+                targets,
+                sampling_metadata,
+                device,
+                use_fp64_gumbel,
+            )  # [T]
+            m._rejection_random_sample(
+                out,
+                cu_num_draft_tokens,
+                draft_token_ids,
+                draft_probs,
+                targets,
+                bonus_token_ids,
+                recovered,
+                uniform,
+                is_greedy,
+                max_spec_len,
+                None,
+            )
         block_kl = None
         if blocks:
             block_kl = judge_blocks(
