@@ -255,12 +255,9 @@ def _draft_model(method: str, draft: object, drafter: object) -> str | None:
     """A draft model named for an engine method that drafts with the model drafter."""
     if draft is None:
         return None
-    if method not in METHODS:
-        raise ValueError(f"{method} is a peer: draft does not apply (it drafts with --draft)")
+    _model_drafter_only(method, "draft", drafter, " (it drafts with --draft)")
     if not isinstance(draft, str) or not draft.strip():
         raise ValueError(f"{method}: draft must be a model name or path, got {draft!r}")
-    if drafter is not None and str(drafter).strip() != "model":
-        raise ValueError(f"{method}: draft applies to the model drafter, not {drafter}")
     return draft.strip()
 
 
@@ -268,14 +265,19 @@ def _draft_vocab(method: str, size: object, drafter: object) -> int | None:
     """The head size named for an engine method that drafts with the model drafter."""
     if size is None:
         return None
-    if method not in METHODS:
-        raise ValueError(f"{method} is a peer: draft_vocab does not apply")
-    if drafter is not None and str(drafter).strip() != "model":
-        raise ValueError(f"{method}: draft_vocab applies to the model drafter, not {drafter}")
+    _model_drafter_only(method, "draft_vocab", drafter)
     try:
         return check_int("draft_vocab", _peer_int("draft_vocab", size))
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
+
+
+def _model_drafter_only(method: str, key: str, drafter: object, peer_note: str = "") -> None:
+    """ValueError unless ``method`` is the engine's and drafts with the model drafter."""
+    if method not in METHODS:
+        raise ValueError(f"{method} is a peer: {key} does not apply{peer_note}")
+    if drafter is not None and str(drafter).strip() != "model":
+        raise ValueError(f"{method}: {key} applies to the model drafter, not {drafter}")
 
 
 def _peer_int(name: str, value: object) -> int:
