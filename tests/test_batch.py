@@ -209,6 +209,26 @@ def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> 
     assert policy.draft.estimate(1) == pytest.approx(0.002)  # the table kept steady steps only
 
 
+def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
+    """Where a verification block costs three plain steps, the prior rate of 1/2 never pays
+    for drafting; a fresh policy drafts K_max to the end until it has seen 32 drafts
+    verified, then follows the rate it measured: it drafts at 0.95 and not at 0.5 (the
+    negative control: the same costs, a measured rate of 1/2)."""
+    d = decoder(1)
+    g = generation(d, [1, 2, 3], spec_of(Cactus(1.0), None))
+    fresh = SpeculationPolicy(max_draft_tokens=8)
+    fresh.draft.observe(1, 0.002)
+    for tokens, seconds in {1: 0.050, 2: 0.100, 9: 0.150}.items():
+        fresh.verify.observe(tokens, seconds)
+    assert fresh.probing() and fresh.choose([g], [0]) == [8]
+    assert fresh.keep_drafting([0.01] * 7)  # a probe is not cut short
+    _taught(fresh, 0.99, 0.95)
+    g.stats.reached_by_position, g.stats.accepted_by_position = [40] * 8, [38] * 8
+    assert not fresh.probing() and fresh.choose([g], [0]) == [8]
+    g.stats.accepted_by_position = [20] * 8
+    assert fresh.choose([g], [0]) == [0]
+
+
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     d = decoder(1)
     g = generation(d, list(range(1, 101)), spec_of(Cactus(1.0), None))

@@ -36,6 +36,12 @@ t_draft + t_verify(j + 2) - t_verify(j + 1) seconds, and is drawn only when that
 E_j / T_j. The draft's probabilities come from the draft alone, so the
 stop never looks at the verifier: every rule keeps its law. A draft tree is grown to the K
 chosen, without that stop.
+
+Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
+drafts, rows that leave K open draft K_max, to the end. A policy that drafted only where its
+prior (a rate of 1/2) promised a gain would never learn a higher rate where a verification
+block costs several plain steps (a float32 verifier on a CPU without AMX): it would decode
+plainly forever, right or wrong.
 """
 
 from __future__ import annotations
@@ -62,6 +68,10 @@ _CATCH_UP_FACTOR = 3.0
 #: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
 #: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
 _MARGIN = 0.05
+#: The pool's acceptance before any generation finished: accepted and verified pseudo-drafts.
+_POOL_PRIOR = (1.0, 2.0)
+#: Drafts the verifier judges before the policy's acceptance estimates decide K.
+_PROBE_DRAFTS = 32
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
 #: Upper edges of the bins of a draft's probability of its own token (the last bin ends at 1).
@@ -115,8 +125,8 @@ class SpeculationPolicy:
         self.max_draft_tokens = max_draft_tokens
         self.draft = CostTable()  # one draft step, by rows
         self.verify = CostTable()  # one verifier forward, by tokens
-        self.pool_accepted = 1.0
-        self.pool_reached = 2.0
+        self.pool_accepted, self.pool_reached = _POOL_PRIOR
+        self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
         self.catch_up_token_s = 0.0  # a model drafter reading one token it skipped
         bins = len(_CONFIDENCE_EDGES) + 1
         self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
@@ -137,7 +147,12 @@ class SpeculationPolicy:
         auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
         lags = [behind[i] for i in auto]
-        best = self._best_k([generations[i] for i in auto], lags, fixed) if auto else 0
+        if not auto:
+            best = 0
+        elif self.probing():
+            best = self.max_draft_tokens
+        else:
+            best = self._best_k([generations[i] for i in auto], lags, fixed)
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
@@ -162,6 +177,12 @@ class SpeculationPolicy:
         best = max(range(len(rates)), key=rates.__getitem__)
         return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
+    def probing(self) -> bool:
+        """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
+        verifier (those of every iteration it observed, or of the finished generations it
+        learned from, whichever counts more)."""
+        return max(self.judged, self.pool_reached - _POOL_PRIOR[1]) < _PROBE_DRAFTS
+
     def accept_chance(self, confidence: float) -> float:
         """The chance a draft the draft model drew with probability ``confidence`` is
         accepted: its bin's rate, shrunk towards the pool's."""
@@ -173,7 +194,9 @@ class SpeculationPolicy:
 
     def keep_drafting(self, confidences: Sequence[float]) -> bool:
         """Whether a single stream that drafted tokens with these ``confidences`` should
-        draft one more (the module docstring's rule)."""
+        draft one more (the module docstring's rule; always while probing)."""
+        if self.probing():
+            return True
         j = len(confidences)
         survival, expected = 1.0, 1.0
         for c in confidences:
@@ -196,6 +219,7 @@ class SpeculationPolicy:
         while K was 0): their time beyond the estimate, per token caught up, is the
         catch-up's cost per token."""
         self._learn_confidences(timing)
+        self.judged += timing.verified_tokens - timing.rows  # each row feeds one more token
         self.verify.observe(timing.verified_tokens, timing.verify_s)
         if not timing.draft_steps:
             return
