@@ -129,10 +129,11 @@ def test_cost_table_interpolates_and_extrapolates() -> None:
     assert 0.010 < table.estimate(1) < 0.020
 
 
-def test_expected_tokens_is_the_geometric_sum() -> None:
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens(1.0, 4) == 5
-    assert expected_tokens(0.0, 7) == 1
+def test_expected_tokens_sums_the_chances_of_reaching_each_draft() -> None:
+    assert expected_tokens([0.5] * 3, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5
+    assert expected_tokens([0.0] * 7, 7) == 1
+    assert expected_tokens([0.9, 1.0, 1.0], 3) == pytest.approx(1 + 3 * 0.9)  # a stretch
 
 
 def policy_with(draft_step: float, verify: dict[int, float]) -> SpeculationPolicy:
@@ -141,7 +142,7 @@ def policy_with(draft_step: float, verify: dict[int, float]) -> SpeculationPolic
     policy.draft.observe(16, draft_step)
     for size, seconds in verify.items():
         policy.verify.observe(size, seconds)
-    policy.pool_accepted, policy.pool_reached = 80.0, 100.0  # acceptance 0.8
+    policy.pool_accepted, policy.pool_reached = [80.0] * 8, [100.0] * 8  # 0.8 per position
     return policy
 
 
@@ -209,9 +210,30 @@ def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> 
     assert policy.draft.estimate(1) == pytest.approx(0.002)  # the table kept steady steps only
 
 
+def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:
+    """Two rows keep 92% of first drafts: one every later draft too (HumanEval's pattern),
+    the other 92% at every position. Per-position chances predict 10.0 tokens from ten drafts
+    for the first, worth an 11-token block at 3.8 plain steps, and 7.4 for the second, which
+    drafts two."""
+    d = decoder(1)
+    policy = SpeculationPolicy(max_draft_tokens=10)
+    policy.draft.observe(1, 0.019)
+    policy.verify.observe(1, 0.050)
+    policy.verify.observe(11, 0.190)
+    policy.judged = 100  # past its probe
+    stretch = generation(d, [1, 2, 3], spec_of(SpS(), None))
+    stretch.stats.reached_by_position = [100] + [92] * 9
+    stretch.stats.accepted_by_position = [92] * 10
+    spread = generation(d, [1, 2, 3], spec_of(SpS(), None))
+    spread.stats.reached_by_position, spread.stats.accepted_by_position = [100] * 10, [92] * 10
+    assert policy.chances(stretch)[1:] == pytest.approx([1.0] * 9, abs=0.005)
+    assert policy.choose([stretch], [0]) == [10]
+    assert policy.choose([spread], [0]) == [2]
+
+
 def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     """Where a verification block costs three plain steps, the prior rate of 1/2 never pays
-    for drafting; a fresh policy drafts K_max to the end until it has seen 32 drafts
+    for drafting; a fresh policy drafts K_max to the end until it has seen 100 drafts
     verified, then follows the rate it measured: it drafts at 0.95 and not at 0.5 (the
     negative control: the same costs, a measured rate of 1/2)."""
     d = decoder(1)

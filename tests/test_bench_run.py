@@ -273,6 +273,20 @@ def test_one_run_compares_draft_heads(prompts: Path, models, tmp_path) -> None:
         run_bench(config, items, target, draft, tmp_path / "other")
 
 
+def test_the_bench_loads_each_model_and_head_once(monkeypatch) -> None:
+    """A draft that is the verifier, or a grid's head equal to --draft-vocab, shares what was
+    loaded; another head or quantisation is loaded on its own."""
+    from cactus_spec.bench import command
+
+    calls = []
+    monkeypatch.setattr(command, "_load", lambda *a: calls.append(a) or object())
+    load = command._loader(None)
+    verifier = load("v", "none", None)
+    assert load("v", "none", None) is verifier and load("d", "int8", 7) is load("d", "int8", 7)
+    assert load("d", "int8", None) is not load("d", "int8", 7) and load("v", "int8", None)
+    assert [a[0::2] for a in calls] == [("v", "none"), ("d", "int8"), ("d", "int8"), ("v", "int8")]
+
+
 def test_a_resumed_run_drops_a_line_cut_short_by_a_crash(tmp_path, capsys) -> None:
     from cactus_spec.bench.store import RunDirectory
 

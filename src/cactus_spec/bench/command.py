@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -133,6 +134,20 @@ def _load(
     return load_model(source, **options, quant=quant, head_vocab=head_vocab)
 
 
+def _loader(args: argparse.Namespace) -> Callable[[str, str, int | None], LoadedModel]:
+    """``_load`` that loads each (source, quant, head) once: a draft that is the verifier,
+    or a grid's head equal to ``--draft-vocab``, shares the loaded weights."""
+    loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
+
+    def load(source: str, quant: str, head_vocab: int | None) -> LoadedModel:
+        key = (source, quant, head_vocab)
+        if key not in loaded:
+            loaded[key] = _load(source, args, quant, head_vocab)
+        return loaded[key]
+
+    return load
+
+
 def default_out(args: argparse.Namespace, settings: BenchSettings) -> Path:
     """--out, else bench-out/quick or bench-out/TASK."""
     name = "quick" if args.quick else settings.task.name
@@ -155,19 +170,14 @@ def main_bench(args: argparse.Namespace) -> int:
     others = settings.other_drafts
     cut = any(name is None for name, _ in others.values())  # the run's draft, its head cut
     verifier_source, draft_source = _sources(args, settings.needs_draft or cut)
-    verifiers = {quant: _load(verifier_source, args, quant) for quant in settings.verifiers}
+    load = _loader(args)
+    verifiers = {quant: load(verifier_source, quant, None) for quant in settings.verifiers}
     drafts: dict[str | None, LoadedModel] = {}
     if draft_source is not None and settings.needs_draft:
-        same = draft_source == verifier_source and args.draft_quant in verifiers
-        same = same and args.draft_vocab is None
-        drafts[None] = (
-            verifiers[args.draft_quant]
-            if same
-            else _load(draft_source, args, args.draft_quant, args.draft_vocab)
-        )
+        drafts[None] = load(draft_source, args.draft_quant, args.draft_vocab)
     for key, (name, head) in others.items():
         head = args.draft_vocab if head is None else head
-        drafts[key] = _load(name or draft_source, args, args.draft_quant, head)
+        drafts[key] = load(name or draft_source, args.draft_quant, head)
     run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

@@ -1,17 +1,25 @@
 """How far to draft, from measured costs, so that speculation is never slower than plain decoding.
 
-In an iteration over B rows, row b accepts each draft position with probability alpha_b
-(estimated from its own history, shrunk towards the pool's rate while it is short). Drafting
-K tokens for each row yields in expectation
+In an iteration over B rows, row b keeps its j-th draft, once it kept every draft before
+it, with chance a_bj. Drafting K tokens for each row yields in expectation
 
-    E(K) = sum_b (1 - alpha_b^(K+1)) / (1 - alpha_b)        tokens (accepted drafts + one)
+    E(K) = sum_b (1 + S_b1 + ... + S_bK),   S_bj = a_b1 ... a_bj     tokens (kept drafts + one)
+
+The chances are estimated per position, because acceptance runs in stretches: where
+rejections fall mostly on an iteration's first drafts, one rate for all positions, held down
+by them, undervalues the later drafts, and with them long chains. The pool's chance at
+position j, over the generations that finished, is r_j = (A_j + P r_(j-1)) / (R_j + P)
+(A_j, R_j: drafts kept and reached at j; P = ``_PRIOR_POSITIONS``; r_0 = 1/2); a row's is
+its own counts shrunk the same way, towards m_j = a_b(j-1) r_j / r_(j-1) (its level, the
+pool's change along the chain; m_1 = r_1), so a position not yet reached takes the rate of
+the one before it.
 
 and costs
 
     T(K) = K * t_draft(R) + t_verify(n_fixed + sum_b (w_b K + 1)) + [K > 0] c L / N(K)   seconds,
 
-where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's alpha_b
-is its own per-depth rate, read off the same history), R = sum_b w_b the rows of one draft
+where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj
+is its rate at depth j, read off the same history), R = sum_b w_b the rows of one draft
 step, t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens
 in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
 what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
@@ -68,10 +76,10 @@ _CATCH_UP_FACTOR = 3.0
 #: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
 #: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
 _MARGIN = 0.05
-#: The pool's acceptance before any generation finished: accepted and verified pseudo-drafts.
-_POOL_PRIOR = (1.0, 2.0)
+#: The chance of keeping a first draft before any was measured.
+_FIRST_PRIOR = 0.5
 #: Drafts the verifier judges before the policy's acceptance estimates decide K.
-_PROBE_DRAFTS = 32
+_PROBE_DRAFTS = 100
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
 #: Upper edges of the bins of a draft's probability of its own token (the last bin ends at 1).
@@ -111,10 +119,14 @@ class CostTable:
         return self.seconds[at - 1] + weight * (self.seconds[at] - self.seconds[at - 1])
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one iteration emits in expectation with K drafts accepted i.i.d. at rate alpha:
-    1 + alpha + ... + alpha^K."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+def expected_tokens(chances: Sequence[float], k: int) -> float:
+    """Tokens one iteration emits in expectation with K drafts, the j-th kept with chance
+    ``chances[j - 1]`` once every draft before it was: 1 + S_1 + ... + S_K."""
+    total, survival = 1.0, 1.0
+    for chance in chances[:k]:
+        survival *= chance
+        total += survival
+    return total
 
 
 class SpeculationPolicy:
@@ -125,20 +137,35 @@ class SpeculationPolicy:
         self.max_draft_tokens = max_draft_tokens
         self.draft = CostTable()  # one draft step, by rows
         self.verify = CostTable()  # one verifier forward, by tokens
-        self.pool_accepted, self.pool_reached = _POOL_PRIOR
+        self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
+        self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
         self.catch_up_token_s = 0.0  # a model drafter reading one token it skipped
         bins = len(_CONFIDENCE_EDGES) + 1
         self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
         self.bin_reached = [0.0] * bins  # drafts verified (every draft before them kept)
 
-    def alpha(self, g: Generation) -> float:
-        """The row's acceptance rate per position, shrunk towards the pool's."""
-        reached = sum(g.stats.reached_by_position)
-        pool = self.pool_accepted / self.pool_reached
-        return (sum(g.stats.accepted_by_position) + _PRIOR_POSITIONS * pool) / (
-            reached + _PRIOR_POSITIONS
-        )
+    def pool_chances(self) -> list[float]:
+        """r_1..r_Kmax: the pool's chance of keeping the j-th draft once every draft before it
+        was kept, each position shrunk towards the one before it (the module docstring)."""
+        chances, prior = [], _FIRST_PRIOR
+        for accepted, reached in zip(self.pool_accepted, self.pool_reached, strict=True):
+            prior = (accepted + _PRIOR_POSITIONS * prior) / (reached + _PRIOR_POSITIONS)
+            chances.append(prior)
+        return chances
+
+    def chances(self, g: Generation) -> list[float]:
+        """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the module docstring)."""
+        pool = self.pool_chances()
+        kept, reached = g.stats.accepted_by_position, g.stats.reached_by_position
+        chances, before, level = [], _FIRST_PRIOR, _FIRST_PRIOR
+        for j, r in enumerate(pool):
+            prior = min(1.0, level * r / before)
+            own_kept, own_reached = (kept[j], reached[j]) if j < len(reached) else (0, 0)
+            level = (own_kept + _PRIOR_POSITIONS * prior) / (own_reached + _PRIOR_POSITIONS)
+            chances.append(level)
+            before = r
+        return chances
 
     def choose(self, generations: Sequence[Generation], behind: Sequence[int]) -> list[int]:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
@@ -156,7 +183,7 @@ class SpeculationPolicy:
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
-        alphas = [self.alpha(g) for g in auto]
+        chances = [self.chances(g) for g in auto]
         widths = [g.spec.branches for g in auto]
         fixed_tokens = sum(_fixed_k(g) * g.spec.branches + 1 for g in fixed)
         rows = sum(widths) + sum(g.spec.branches for g in fixed)  # rows of one draft step
@@ -166,7 +193,7 @@ class SpeculationPolicy:
         remaining = max(1.0, sum(g.remaining for g in auto) / len(auto))  # tokens per row
 
         def rate(k: int) -> float:
-            per_row = [expected_tokens(a, k) for a in alphas]
+            per_row = [expected_tokens(c, k) for c in chances]
             cost = self.verify.estimate(fixed_tokens + sum(w * k + 1 for w in widths))
             if k > 0:  # the catch-up, paid off over the iterations the rows have left
                 iterations_left = remaining / (sum(per_row) / len(per_row))
@@ -181,7 +208,7 @@ class SpeculationPolicy:
         """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
         verifier (those of every iteration it observed, or of the finished generations it
         learned from, whichever counts more)."""
-        return max(self.judged, self.pool_reached - _POOL_PRIOR[1]) < _PROBE_DRAFTS
+        return max(self.judged, sum(self.pool_reached)) < _PROBE_DRAFTS
 
     def accept_chance(self, confidence: float) -> float:
         """The chance a draft the draft model drew with probability ``confidence`` is
@@ -210,7 +237,9 @@ class SpeculationPolicy:
         return cost <= 0 or gain * cost >= expected * more
 
     def _pool_rate(self) -> float:
-        return self.pool_accepted / self.pool_reached
+        """The pool's rate over every position (the prior of the confidence bins)."""
+        accepted, reached = sum(self.pool_accepted), sum(self.pool_reached)
+        return (accepted + _PRIOR_POSITIONS * _FIRST_PRIOR) / (reached + _PRIOR_POSITIONS)
 
     def observe(self, timing: StepTiming) -> None:
         """Fold one iteration's measured costs and its drafts' outcomes into the tables.
@@ -241,9 +270,11 @@ class SpeculationPolicy:
                 self.bin_accepted[b] += float(position < kept)
 
     def learn_acceptance(self, g: Generation) -> None:
-        """Fold a finished generation's acceptance into the pool's rate."""
-        self.pool_accepted += sum(g.stats.accepted_by_position)
-        self.pool_reached += sum(g.stats.reached_by_position)
+        """Fold a finished generation's drafts kept and reached, by position, into the pool's."""
+        depth = min(len(g.stats.reached_by_position), self.max_draft_tokens)
+        for j in range(depth):
+            self.pool_accepted[j] += g.stats.accepted_by_position[j]
+            self.pool_reached[j] += g.stats.reached_by_position[j]
 
     def calibrate(
         self,
