@@ -122,7 +122,7 @@ def main() -> None:
         alpha = float(
             torch.cat([torch.minimum(p, q).sum(-1) for p, q in zip(ps, qs, strict=True)]).mean()
         )
-        tokens = expected_tokens(alpha, args.k)
+        tokens = expected_tokens([alpha] * args.k, args.k)
         print(
             f"  head {name:>14}: alpha {alpha:.4f}, i.i.d. tokens per iteration at K={args.k}"
             f" {tokens:.2f}"
