@@ -154,9 +154,10 @@ class SpeculationPolicy:
             chances.append(prior)
         return chances
 
-    def chances(self, g: Generation) -> list[float]:
-        """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the module docstring)."""
-        pool = self.pool_chances()
+    def chances(self, g: Generation, pool: Sequence[float] | None = None) -> list[float]:
+        """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the module docstring);
+        ``pool``: ``pool_chances()``, when the caller has it."""
+        pool = self.pool_chances() if pool is None else pool
         kept, reached = g.stats.accepted_by_position, g.stats.reached_by_position
         chances, before, level = [], _FIRST_PRIOR, _FIRST_PRIOR
         for j, r in enumerate(pool):
@@ -183,7 +184,8 @@ class SpeculationPolicy:
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
-        chances = [self.chances(g) for g in auto]
+        pool = self.pool_chances()
+        chances = [self.chances(g, pool) for g in auto]
         widths = [g.spec.branches for g in auto]
         fixed_tokens = sum(_fixed_k(g) * g.spec.branches + 1 for g in fixed)
         rows = sum(widths) + sum(g.spec.branches for g in fixed)  # rows of one draft step
