@@ -18,6 +18,11 @@ request is sent, so a rerun sends each client the same requests in the same orde
   whose connection is closed after 0.5 s;
 - ``bad``: invalid JSON, a string max_tokens, an unknown model, temperature -1 or n = 1000,
   each of which must get a 4xx;
+- ``hostile``: a request that plants a marker (``SOAK-MARKER-...``) and is unsound (a schema
+  that only refers to itself, a regex whose lexer blows up, a lone surrogate: each must get a
+  400) or valid but unusual (TAS, a draft tree, structured output on each verification kind;
+  trees only with ``--drafter model``: 200, else 400); a marker in any other answer is a
+  cross-request leak (must be none);
 - ``multi_turn``: a chat of 3-4 streamed turns over a ~300-token system prompt shared by
   all clients, each turn resending the whole history; TTFT of turn 1 and of later turns
   apart (a prefix cache shows as later turns starting sooner).
@@ -62,7 +67,10 @@ from cactus_spec.files import write_text_atomic
 #: The model id the server answers to.
 MODEL = "soak"
 #: name -> weight in each client's mix.
-BEHAVIOURS = {"stream": 3, "whole": 2, "disconnect": 2, "bad": 1, "multi_turn": 2}
+BEHAVIOURS = {"stream": 3, "whole": 2, "disconnect": 2, "bad": 1, "hostile": 2, "multi_turn": 2}
+#: What a hostile request plants in its body; no other answer may ever contain it.
+MARKER = "SOAK-MARKER"
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 TEMPERATURE = 0.7
 REQUEST_TIMEOUT_S = 120.0
 #: A request not streamed is abandoned after this long without an answer.
@@ -120,6 +128,42 @@ BAD_REQUESTS: dict[str, bytes | dict] = {
     "negative_temperature": {"temperature": -1},
     "oversized_n": {"n": 1000},
 }
+
+
+def hostile_requests(marker: str, trees: bool) -> dict[str, tuple[dict | bytes, int]]:
+    """name -> (body or raw bytes, the status it must get): unsound ones a 400, the valid
+    ones a 200 (trees need a draft model: without one, a 400)."""
+
+    def schema(s: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+
+    ask = VALID_BODY | {"messages": [_user(f"{marker} Tell me about a person.")], "max_tokens": 16}
+    surrogate = json.dumps(ask).replace(marker, f"{marker} \\ud800").encode()
+    tree = 200 if trees else 400
+    requests: dict[str, tuple[dict | bytes, int]] = {
+        "self_ref_schema": (ask | {"response_format": schema({"$ref": "#", "title": marker})}, 400),
+        "regex_blowup": (
+            ask | {"response_format": {"type": "regex", "regex": "(a{1000}){1000}"}},
+            400,
+        ),
+        "surrogate": (surrogate, 400),
+        "tas": (ask | {"speculative": {"method": "tas"}}, 200),
+        "tree": (
+            ask | {"speculative": {"method": "sps", "verification": "tree", "branches": 2}},
+            tree,
+        ),
+    }
+    for kind in ("chain", "block", "tree", "traversal"):
+        branched = kind in ("tree", "traversal")
+        spec = {"method": "cactus", "verification": kind} | ({"branches": 2} if branched else {})
+        status = tree if branched else 200
+        requests[f"structured_{kind}"] = (
+            ask | {"response_format": schema(PERSON), "speculative": spec},
+            status,
+        )
+    return requests
+
+
 _METRIC = re.compile(r"^(cactus_spec_[^{\s]*(?:\{.*\})?)\s+(\S+)")
 
 
@@ -170,8 +214,11 @@ class Client:
     """One client thread: a seeded loop over ``BEHAVIOURS`` until ``stop``. Each behaviour
     makes all its draws before it sends anything, so the mix does not depend on answers."""
 
-    def __init__(self, url: str, seed: str, tally: Tally, stop: threading.Event) -> None:
+    def __init__(
+        self, url: str, seed: str, tally: Tally, stop: threading.Event, trees: bool = False
+    ) -> None:
         self.url = url
+        self.trees = trees  # the server drafts with a model: draft trees are served
         self.rng = random.Random(seed)
         self.backoff = random.Random(f"{seed} backoff")
         self.tally = tally
@@ -231,6 +278,7 @@ class Client:
             answer = self.api.completions.create(prompt=prompt, **options)
         self.tally.count("completed:chat" if chat else "completed:completion")
         self.tally.count("tokens", answer.usage.completion_tokens)
+        self.leaks(answer.choices[0].message.content if chat else answer.choices[0].text)
 
     def disconnect(self) -> None:
         in_stream, cut = self.rng.random() < 0.5, self.rng.randint(1, 3)
@@ -267,6 +315,31 @@ class Client:
         self.tally.count(f"bad:{kind}:{answer.status_code}")
         if answer.status_code >= 500:
             self.tally.server_error(f"bad {kind}: HTTP {answer.status_code}: {answer.text}")
+
+    def hostile(self) -> None:
+        marker = f"{MARKER}-{self.rng.randrange(10**9)}"
+        requests = hostile_requests(marker, self.trees)
+        kind = self.rng.choice(list(requests))
+        body, expected = requests[kind]
+        content = body if isinstance(body, bytes) else json.dumps(body)
+        self.tally.count("sent")
+        answer = self.http.post(
+            "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+        )
+        self.tally.count(f"hostile:{kind}:{answer.status_code}")
+        if answer.status_code != expected:
+            self.tally.count(f"hostile_unexpected:{kind}:{answer.status_code}")
+        if answer.status_code >= 500:
+            self.tally.server_error(
+                f"hostile {kind}: HTTP {answer.status_code}: {answer.text[:300]}"
+            )
+        if answer.status_code == 200:
+            self.leaks(answer.json()["choices"][0]["message"]["content"] or "", marker)
+
+    def leaks(self, text: str, own: str = "") -> None:
+        """Count a marker in an answer that did not plant it (its own may be echoed)."""
+        if MARKER in (text.replace(own, "") if own else text):
+            self.tally.count("cross_request_leaks")
 
     def multi_turn(self) -> None:
         texts = [self.rng.choice(PROMPTS), *self.rng.sample(FOLLOW_UPS, self.rng.randint(2, 3))]
@@ -309,6 +382,7 @@ class Client:
                 if chunk.usage is not None:
                     answer.tokens = chunk.usage.completion_tokens
         answer.text = "".join(pieces)
+        self.leaks(answer.text)
         return answer
 
     def record(self, kind: str, answer: Streamed, ttft_key: str | None = None) -> None:
@@ -464,7 +538,8 @@ def run_clients(url: str, args: argparse.Namespace, tally: Tally) -> tuple[float
     """``args.clients`` threads for ``args.minutes`` (or until Ctrl-C), then up to
     ``DRAIN_S`` for them to finish: the wall time and how many were still busy."""
     stop = threading.Event()
-    clients = [Client(url, f"{args.seed} {i}", tally, stop) for i in range(args.clients)]
+    trees = args.drafter == "model"
+    clients = [Client(url, f"{args.seed} {i}", tally, stop, trees) for i in range(args.clients)]
     threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
     start = time.perf_counter()
     for t in threads:
@@ -500,6 +575,9 @@ def summarise(tally: Tally, samples: list[dict], wall_s: float, busy: int, serve
             "cancelled_by_client": _under(counts, "cancelled"),
             "rejected_429": counts["429"],
             "bad": dict(bad),
+            "hostile": _under(counts, "hostile"),
+            "hostile_unexpected": _under(counts, "hostile_unexpected"),
+            "cross_request_leaks": counts["cross_request_leaks"],
             "server_errors": server_errors,
             "client_errors": _under(counts, "error"),
         },
@@ -566,7 +644,7 @@ def _prefix_cache(metrics: dict[str, float]) -> dict:
 
 def _server_end(metrics: dict[str, float]) -> dict:
     """The server's request outcomes, batch and queue at the last sample."""
-    outcomes = ("finished", "cancelled", "rejected")
+    outcomes = ("finished", "cancelled", "rejected", "invalid", "failed")
     end = {o: metrics.get(f'cactus_spec_requests_total{{outcome="{o}"}}') for o in outcomes}
     end |= {g: metrics.get(f"cactus_spec_{g}") for g in ("batch_size", "queue_length")}
     return end
@@ -588,6 +666,9 @@ def render(result: dict, settings: dict) -> str:
         ("429 (queue full)", r["rejected_429"]),
         ("bad requests by kind and status", ", ".join(bad) or "none"),
         ("bad requests not answered 4xx", not_4xx),
+        ("hostile requests by kind and status", _counted(r["hostile"])),
+        ("hostile requests not answered as expected", _counted(r["hostile_unexpected"])),
+        ("cross-request content (a marker in another answer)", r["cross_request_leaks"]),
         ("5xx", len(r["server_errors"])),
         ("other client errors", _counted(r["client_errors"])),
         ("clients still busy at the end", result["clients_busy_at_end"]),
@@ -605,8 +686,11 @@ def render(result: dict, settings: dict) -> str:
         ("prefix cache hit rate", _share(cache["hit_rate"])),
         ("prefix cache tokens saved", _share(cache["tokens_saved"])),
         (
-            "server finished / cancelled / rejected",
-            _joined(end["finished"], end["cancelled"], end["rejected"], digits=0),
+            "server finished / cancelled / rejected / invalid / failed",
+            _joined(
+                *(end[o] for o in ("finished", "cancelled", "rejected", "invalid", "failed")),
+                digits=0,
+            ),
         ),
         (
             "server batch / queue at the end",

@@ -34,9 +34,15 @@ def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[i
 
 @pytest.fixture
 def server(tmp_path):
+    yield from serving(tmp_path, ["--drafter", "ngram"])
+
+
+def serving(tmp_path, models: list[str]):
+    """A ``cactus-spec serve`` process on SmolLM2 with ``models`` flags, once it answers
+    /health: (process, port); its output goes to ``serve.log``."""
     port = free_port()
     cli = Path(sys.executable).with_name("cactus-spec")
-    command = [str(cli), "serve", "--verifier", "smollm2-135m", "--drafter", "ngram",
+    command = [str(cli), "serve", "--verifier", "smollm2-135m", *models,
                "--policy", "fixed", "--port", str(port), "--max-batch", "4",
                "--shutdown-grace", str(GRACE_S), "--dtype", "float32"]  # fmt: skip
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below)
@@ -115,3 +121,19 @@ def test_a_second_signal_exits_without_waiting_for_the_grace(server) -> None:
     process.send_signal(signal.SIGTERM)
     process.wait(30)
     assert time.monotonic() - signalled < GRACE_S  # not drained to the grace
+
+
+def test_serve_with_a_draft_model_starts_and_stops_without_a_traceback(tmp_path) -> None:
+    served = serving(tmp_path, ["--draft", "smollm2-135m", "--num-draft-tokens", "2"])
+    process, port = next(served)
+    body = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4}
+    assert call(port, "POST", "/v1/completions", body)[0] == 200
+    events: list[str] = []
+    started = threading.Event()
+    threading.Thread(target=stream, args=(port, LONG, events, started), daemon=True).start()
+    assert started.wait(60)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(GRACE_S + 30) == 0
+    next(served, None)
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log and "Event loop is closed" not in log, log[-2000:]

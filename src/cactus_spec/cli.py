@@ -26,6 +26,7 @@ from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK
 
@@ -236,6 +237,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "are ended (default 30)",
     )
     p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
+    limits = GrammarLimits()
+    p.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=limits.max_bytes,
+        help="the largest grammar a request may bring (a JSON schema, regex, Lark or GBNF "
+        f"text), in bytes; larger ones get 400 (default {limits.max_bytes})",
+    )
+    p.add_argument(
+        "--max-grammar-symbols",
+        type=int,
+        default=limits.max_symbols,
+        help="the most symbols a request's compiled grammar may have; more get 400 "
+        f"(default {limits.max_symbols})",
+    )
+    p.add_argument(
+        "--grammar-step-fuel",
+        type=int,
+        default=limits.step_fuel,
+        help="the grammar engine's lexer work per token; a request whose grammar needs more "
+        f"is ended with 400 (default {limits.step_fuel})",
+    )
     p.add_argument(
         "--chat-template",
         help="a Jinja chat template file to use instead of the tokenizer's (e.g. one that "
@@ -322,6 +345,28 @@ def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, st
     return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
 
 
+def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> None:
+    """The drafting flags that cannot go together whatever the models are, refused before
+    any model loads."""
+    needs_draft = spec.drafts and spec.drafter == "model"
+    _model_sources(args, needs_draft)
+    if args.draft_vocab is not None and not needs_draft:
+        raise ValueError(
+            "--draft-vocab does not apply: nothing is drafted by a model "
+            "(--method ar or --drafter ngram)"
+        )
+    if spec.drafts and spec.trees and spec.drafter != "model":
+        raise ValueError(
+            f"--verification {spec.verification} needs a draft model (--drafter model), "
+            f"got --drafter {spec.drafter}; use chain or block"
+        )
+    if spec.drafts and spec.trees and args.backend == "hf":
+        raise ValueError(
+            f"--verification {spec.verification} needs token-tree attention, which "
+            "--backend hf lacks; use --backend lean or auto"
+        )
+
+
 def _flag(key: str) -> str:
     return f"--{key.replace('_', '-')}"
 
@@ -356,6 +401,7 @@ def _engine(
     max_draft_tokens: int | None = None,
     announce: bool = False,
     prefix_cache: bool = True,
+    grammar_limits=None,
 ):
     """The engine the model flags describe, decoding by ``spec`` (a draft model is loaded
     only where the spec drafts with one)."""
@@ -379,6 +425,7 @@ def _engine(
         verifier_quant=args.verifier_quant,
         max_batch=max_batch,
         prefix_cache=prefix_cache,
+        grammar_limits=grammar_limits,
     )
 
 
@@ -398,7 +445,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_prompt_text(args.prompt)
     grammar = _grammar(args)
     _check_model_args(args)
-    _model_sources(args, spec.drafts and spec.drafter == "model")
+    _check_drafting(args, spec)
     decoder = _engine(args, spec)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
@@ -572,17 +619,27 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {grace}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    _check_counts(args, ("max_grammar_bytes", "max_grammar_symbols", "grammar_step_fuel"))
+    grammar_limits = GrammarLimits(
+        args.max_grammar_bytes, args.max_grammar_symbols, args.grammar_step_fuel
+    )
     _check_model_args(args)
     template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
-    _model_sources(args, spec.drafts and spec.drafter == "model")
+    _check_drafting(args, spec)
     cap = spec.num_draft_tokens if spec.drafts else None
     if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
         spec = spec.with_num_draft_tokens(None)
     decoder = _engine(
-        args, spec, args.max_batch, cap, announce=True, prefix_cache=args.prefix_cache
+        args,
+        spec,
+        args.max_batch,
+        cap,
+        announce=True,
+        prefix_cache=args.prefix_cache,
+        grammar_limits=grammar_limits,
     )
     scheduler = start_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
-    model_id = args.served_model_name or _model_sources(args, needs_draft=False)[0]
+    model_id = args.served_model_name or args.verifier or DEFAULT_PAIR[0]
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own
     config = ServerConfig(

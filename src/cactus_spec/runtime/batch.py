@@ -47,13 +47,21 @@ def decode_all(
     """Decode every prompt by its own spec, else ``spec``; the results in the prompts' order.
 
     ``on_result(index, result)`` runs on the decoding thread as each prompt finishes; an
-    exception it raises stops the run and is raised here. Ctrl-C stops after the current
+    exception it raises stops the run and is raised here. A prompt whose decoding fails (its
+    own error: ``scheduler``) ends alone; the others run to their end, and then the first
+    such error is raised as ``RowError`` naming its prompt. Ctrl-C stops after the current
     iteration (what finished has been handed to ``on_result``) and raises KeyboardInterrupt.
     """
     results: list[GenerationResult | None] = [None] * len(prompts)
     failures: list[BaseException] = []
+    row_errors: list[RowError] = []
     all_done = threading.Event()
     remaining = [len(prompts)]
+
+    def finished() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            all_done.set()
 
     def done(index: int, result: GenerationResult) -> None:
         results[index] = result
@@ -61,18 +69,17 @@ def decode_all(
             if on_result is not None:
                 on_result(index, result)
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-            fail(err)
-        remaining[0] -= 1
-        if remaining[0] == 0:
+            failures.append(err)
             all_done.set()
+        finished()
 
-    def fail(err: BaseException) -> None:
-        failures.append(err)
-        all_done.set()
+    def failed(index: int, err: BaseException) -> None:
+        row_errors.append(RowError(index, err))
+        finished()
 
     scheduler = Scheduler(engine, max_queue=max(1, len(prompts)), policy=policy)
     for index, prompt in enumerate(prompts):
-        scheduler.submit(_request(prompt, sampling, spec, index, done, fail))
+        scheduler.submit(_request(prompt, sampling, spec, index, done, failed))
     scheduler.start()
     try:
         if prompts:
@@ -82,10 +89,21 @@ def decode_all(
         scheduler.stop()
     if failures:
         raise failures[0]
+    if row_errors:
+        raise min(row_errors, key=lambda e: e.index)
     return results  # type: ignore[return-value]  # every slot is filled once all_done
 
 
-def _request(prompt: Prompt, sampling, spec, index: int, done, fail) -> Request:
+class RowError(ValueError):
+    """Prompt ``index`` failed on its own (``cause``); the others were decoded."""
+
+    def __init__(self, index: int, cause: BaseException) -> None:
+        super().__init__(f"prompts[{index}]: {cause}")
+        self.index = index
+        self.cause = cause
+
+
+def _request(prompt: Prompt, sampling, spec, index: int, done, failed) -> Request:
     return Request(
         list(prompt.ids),
         prompt.max_new_tokens,
@@ -94,5 +112,5 @@ def _request(prompt: Prompt, sampling, spec, index: int, done, fail) -> Request:
         prompt.spec or spec,
         stop=list(prompt.stop),
         on_done=lambda result: done(index, result),
-        on_error=fail,
+        on_error=lambda err: failed(index, err),
     )

@@ -55,7 +55,9 @@ class DraftRequest:
     sampling; default: ``sampling`` alone). ``keep_drafting(confidences)``, given the draft's
     probability of each token it drew so far, says whether to draw another (default:
     always, up to ``num_draft_tokens``). ``branches`` > 1 asks for a draft tree of depth
-    ``num_draft_tokens`` with up to ``branches`` nodes at each depth (``tree_widths``)."""
+    ``num_draft_tokens`` with up to ``branches`` nodes at each depth (``tree_widths``).
+    ``allowed(drafts so far)`` is the [V] bool mask of the tokens the row's grammar allows
+    next (None: any), which ranks a greedy tree's runners-up among allowed tokens only."""
 
     row: int  # the sequence's slot: a stateful drafter keeps a cache per row
     context: Sequence[int]
@@ -65,6 +67,7 @@ class DraftRequest:
     process: Callable[[Tensor, Sequence[int]], Tensor] | None = None
     keep_drafting: Callable[[Sequence[float]], bool] | None = None
     branches: int = 1
+    allowed: Callable[[Sequence[int]], Tensor | None] | None = None
 
     def probs(self, logits: Tensor, drafted: Sequence[int]) -> Tensor:
         """p [1, V] of the next draft after ``drafted``."""
@@ -150,8 +153,20 @@ class ModelDrafter:
         return len(context) - self._seen.get(row, 0)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        if any(r.branches > 1 for r in requests):
-            return self._propose_trees(requests)
+        """Each request's draft, shaped by its own ``branches``: the chains drafted together,
+        the trees together, so a row drafts what it drafts alone whatever its neighbours ask
+        (a chain beside a tree is still a chain, drawn as alone)."""
+        shapes = ([i for i, r in enumerate(requests) if r.branches == 1],)
+        shapes += ([i for i, r in enumerate(requests) if r.branches > 1],)
+        drafts: list[Draft | None] = [None] * len(requests)
+        for shape, draft in zip(shapes, (self._propose_chains, self._propose_trees), strict=True):
+            if shape:
+                for i, d in zip(shape, draft([requests[i] for i in shape]), strict=True):
+                    drafts[i] = d
+        return drafts  # type: ignore[return-value]  # every request is in one shape
+
+    def _propose_chains(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Every request's chain, one draft step over the rows still drafting at a time."""
         pending = [self._catch_up(r) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
@@ -179,7 +194,7 @@ class ModelDrafter:
         return drafts
 
     def _propose_trees(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """Every request's draft tree (a chain where ``branches`` is 1), depth by depth."""
+        """Every request's draft tree, depth by depth."""
         pending = [self._catch_up(r) for r in requests]
         logits = self.backend.append_ragged(pending, [r.row for r in requests], last_only=True)
         trees = [_Growing(r) for r in requests]
@@ -263,11 +278,16 @@ class _Growing:
 
     def see(self, node: int, logits: Tensor) -> None:
         """Add ``node`` to the frontier with the draft's logits [1, V] after it. Its scores
-        are p, or at temperature 0 (p one-hot) the draft's softmax, which ranks its
-        runners-up."""
-        probs = self.request.probs(logits, self.path_tokens(node))  # [1, V]
-        greedy = self.request.sampling.greedy
-        scores = torch.softmax(logits.float(), dim=-1) if greedy else probs  # [1, V]
+        are p, or at temperature 0 (p one-hot) the draft's softmax over the tokens the
+        row's grammar allows, which ranks its runners-up."""
+        path = self.path_tokens(node)
+        probs = self.request.probs(logits, path)  # [1, V]
+        scores = probs  # [1, V]
+        if self.request.sampling.greedy:
+            scores = torch.softmax(logits.float(), dim=-1)  # [1, V]
+            allowed = None if self.request.allowed is None else self.request.allowed(path)
+            if allowed is not None:
+                scores = scores * allowed.to(scores.device)  # [1, V]
         self.frontier.append((node, probs, scores))
 
     def grow(self) -> list[int]:

@@ -52,7 +52,7 @@ from cactus_spec.runtime.generation import (
     GenerationStats,
     check_stops,
 )
-from cactus_spec.runtime.grammar import Constraint, Grammar, Grammars
+from cactus_spec.runtime.grammar import Constraint, Grammar, GrammarLimits, Grammars
 from cactus_spec.runtime.logprobs import check_logprobs
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
 from cactus_spec.runtime.prefixes import PrefixCache
@@ -75,7 +75,8 @@ class SpeculativeDecoder:
 
     ``backend`` picks the code that runs both models (``loading.backend.make_backend``:
     auto, lean or hf). ``prefix_cache`` lets a prompt reuse the keys and values of the longest
-    prefix a row still holds from its last sequence (``prefixes``). ``draft_quant`` and
+    prefix a row still holds from its last sequence (``prefixes``). ``grammar_limits`` bound
+    what a request's grammar may cost (``grammar.GrammarLimits``). ``draft_quant`` and
     ``verifier_quant`` ("none", "int8", "int4") apply
     to models this constructor loads from a name or path: the draft is int8 by default (the
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
@@ -100,6 +101,7 @@ class SpeculativeDecoder:
         verifier_quant: str = "none",
         max_batch: int = 1,
         prefix_cache: bool = True,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         spec = DecodeSpec() if spec is None else spec
         if not isinstance(spec, DecodeSpec):
@@ -122,7 +124,7 @@ class SpeculativeDecoder:
         self._drafter = self._make_drafter(draft, drafts, backend)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
-        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, grammar_limits)
         self._policy: SpeculationPolicy | None = None  # generate's, once K is left open
 
     def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
@@ -292,6 +294,8 @@ class SpeculativeDecoder:
                 self._iterate(generation, spec, policy)
         except KeyboardInterrupt:
             return generation.finish(interrupted=True)
+        if generation.error is not None:
+            raise generation.error
         if policy is not None:
             policy.learn_acceptance(generation)
         return generation.finish()

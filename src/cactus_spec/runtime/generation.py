@@ -131,6 +131,16 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
 
 
+#: The longest error message a failed row reports (a grammar's error may quote its source).
+MAX_ERROR_CHARS = 300
+
+
+def row_error_message(err: BaseException) -> str:
+    """``err`` as one line of at most ``MAX_ERROR_CHARS`` characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
 class Generation:
     """The state of one sequence being decoded in row ``row`` of the caches, by ``spec``
     (its method and K; K None leaves it to the caller's policy)."""
@@ -176,7 +186,16 @@ class Generation:
         self.streamed = ""
         self.done = False
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.error: Exception | None = None  # what ended this row alone (``fail``)
         self.started = time.perf_counter()
+
+    def fail(self, err: Exception) -> None:
+        """End this generation with ``err``, raised by its own processing (its grammar, its
+        rule, its penalties): the stepper finishes the iteration for its neighbours, whose
+        draws never depend on this row, and the caller reports ``err`` to this request only."""
+        if self.error is None:
+            self.error = err
+        self.done = True
 
     @property
     def new_ids(self) -> list[int]:
@@ -187,7 +206,16 @@ class Generation:
         output and the first len(drafts) - T + 1 + t drafts, ``core.penalties``), the
         grammar's mask after those same tokens (``grammar``), then the sampling processing.
         The drafter and the verifier both call this, so p and q of a position are processed
-        alike."""
+        alike. An error of the penalties or the grammar fails this row only (``fail``) and
+        its row gets the unprocessed logits' distribution, which nothing emits."""
+        if self.error is None:
+            try:
+                logits = self._penalised_and_masked(logits, drafts)
+            except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
+                self.fail(err)
+        return logits_to_probs(logits, self.sampling)
+
+    def _penalised_and_masked(self, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
         if self.penalties is not None:
             width = logits.shape[-1]
             new = torch.tensor(self.new_ids, dtype=torch.long, device=logits.device)
@@ -204,7 +232,18 @@ class Generation:
                 torch.add(logits[t], bias.to(logits.device), out=masked[t])
             logits = masked
             self.stats.time_grammar_s += time.perf_counter() - start
-        return logits_to_probs(logits, self.sampling)
+        return logits
+
+    def allowed(self, drafts: Sequence[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens the grammar allows after the output and ``drafts``; None
+        without a grammar, or once the row has failed (an error here fails it)."""
+        if self.constraint is None or self.error is not None:
+            return None
+        try:
+            return self.constraint.mask(drafts)
+        except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
+            self.fail(err)
+            return None
 
     @property
     def processes_drafts(self) -> bool:

@@ -10,12 +10,19 @@ and hands finished generations back. So a long prompt arriving costs each runnin
 one chunk's forward per iteration, not the whole prompt's. A bounded queue gives
 backpressure: ``submit`` raises ``QueueFullError`` when it is full.
 
-Callbacks (``on_text``, ``on_done``) run on the scheduler's thread: they must be quick and
-must not block (the server hands them to its event loop).
+Callbacks (``on_text``, ``on_done``, ``on_error``) run on the scheduler's thread: they must
+be quick and must not block (the server hands them to its event loop).
+
+Failures are the failing request's own. A request that cannot start (its grammar, its spec)
+or whose row fails during an iteration (``Generation.fail``) gets its own error through
+``on_error`` and frees its row; its neighbours go on with the tokens they would have had. An
+error outside any row (a forward that fails) ends the rows of that iteration, each with
+``BatchError``, whose message names nothing of any request; the cause goes to the log.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -40,9 +47,18 @@ PREFILL_CHUNK = 64
 #: Window of the tokens-per-second gauge.
 _RATE_WINDOW_S = 10.0
 
+_log = logging.getLogger(__name__)
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_queue`` requests already."""
+
+
+class BatchError(RuntimeError):
+    """A failure outside any one row ended the iteration this request's row was in."""
+
+    def __init__(self) -> None:
+        super().__init__("decoding failed in a batch this request was part of (see the log)")
 
 
 @dataclass(eq=False)
@@ -74,7 +90,8 @@ class Counters:
 
     requests_finished: int = 0
     requests_cancelled: int = 0
-    requests_rejected: int = 0
+    requests_rejected: int = 0  # refused by a full queue
+    requests_failed: int = 0  # ended by an error (their own, or a batch's)
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -204,9 +221,15 @@ class Scheduler:
                 self.counters.requests_cancelled += 1
                 continue
             row = self.engine.choose_row(request.prompt_ids, self._free)
+            try:
+                generation = self.engine.new_generation(request, row)
+            except Exception as err:  # noqa: BLE001 - the request's own: it alone fails
+                self.counters.requests_failed += 1
+                _tell(request.on_error, err)
+                continue
             self._free.remove(row)
-            admitted.append((request, self.engine.new_generation(request, row)))
-            self._count_prompt(admitted[-1][1])
+            admitted.append((request, generation))
+            self._count_prompt(generation)
         return admitted
 
     def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
@@ -233,7 +256,10 @@ class Scheduler:
         self.counters.iterations += 1
         self.counters.recent.append((time.monotonic(), timing.emitted))
         for request, g in [pair for pair in self._active if pair[1].done]:
-            self._finish(request, g)
+            if g.error is None:
+                self._finish(request, g)
+            else:
+                self._fail(request, g)
 
     def _prefill_budget(self) -> int | None:
         """Prompt tokens to read this turn: ``prefill_chunk`` per token each row verified in
@@ -279,17 +305,35 @@ class Scheduler:
         c.kl_nats += stats.kl_nats
         if self.policy is not None:
             self.policy.learn_acceptance(g)
-        if request.on_done is not None:
-            request.on_done(result)
+        _tell(request.on_done, result)
 
     def _release(self, request: Request, g: Generation) -> None:
         self._active = [pair for pair in self._active if pair[0] is not request]
         with self._wake:
             self._free = sorted([*self._free, g.row])  # the lowest free row is taken first
 
+    def _fail(self, request: Request, g: Generation) -> None:
+        """End ``request`` with its generation's own error, and free its row."""
+        self._release(request, g)
+        self.counters.requests_failed += 1
+        _tell(request.on_error, g.error)
+
     def _fail_all(self, err: Exception) -> None:
-        """Report ``err`` to every active request and free their rows."""
+        """A failure outside any row: log it, and end every active request with a
+        ``BatchError`` (which names none of them)."""
+        _log.error("decoding failed outside any one row", exc_info=err)
         for request, g in list(self._active):
             self._release(request, g)
-            if request.on_error is not None:
-                request.on_error(err)
+            self.counters.requests_failed += 1
+            _tell(request.on_error, BatchError())
+
+
+def _tell(callback: Callable | None, value: object) -> None:
+    """Hand ``value`` to a request's callback; one that raises (its client's loop is gone) is
+    logged, and the decode loop goes on."""
+    if callback is None:
+        return
+    try:
+        callback(value)
+    except Exception:  # noqa: BLE001 - a callback must not stop the decode loop
+        _log.warning("a request's callback failed", exc_info=True)

@@ -15,17 +15,22 @@ iteration
    neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
 
-A row verifying draft trees gets a tree from the drafter (up to ``branches`` nodes per depth);
-when any row of the batch has one, the verifier reads every row as a token tree
-(a chain is a tree; ``Backend.append_tree``), each row's nodes are judged by
-``verify_tree`` (or ``verify_traversal``, leaf to root), and its cache keeps the accepted path
-(``Backend.commit_path``). A traversal row of one branch drafts a chain and judges it as a
-block (the same verifier on a chain).
+A row verifying draft trees gets a tree from the drafter (up to ``branches`` nodes per depth),
+and a chain row a chain, whatever its neighbours draft; when any row of the batch has a tree,
+the verifier reads every row as a token tree (a chain is a tree; ``Backend.append_tree``), a
+tree row's nodes are judged by ``verify_tree`` (or ``verify_traversal``, leaf to root), a
+chain row's as a chain, and each cache keeps its accepted path (``Backend.commit_path``). A
+traversal row of one branch drafts a chain and judges it as a block (the same verifier on a
+chain).
 
 Every random draw of a row comes from its own generator in the same order as when it is
 decoded alone, so a row decoded in a batch gives the tokens it gives alone (up to the
 rounding of batched matrix products, which moves a draw only when a uniform lands within
 rounding of a boundary).
+
+A row's own failure (its grammar, its rule, its penalties: ``Generation.fail``) ends that row
+only: its remaining work in the iteration is skipped, its cache drops what the iteration fed,
+and its neighbours, whose draws never read it, go on as they would without the error.
 
 The divergence meter adds, per row, the exact KL(step_law || q) of every emitted drafted
 position (``audit``; on blocks and trees the law is the rule's target t, so KL(t || q)): an unbiased
@@ -173,23 +178,15 @@ class Stepper:
             _verifier_rows(g, d, row_logits[:, : self.vocab_size])  # [K_b+1, V]
             for g, d, row_logits in zip(generations, drafts, logits, strict=True)
         ]
-        judged = [_judged_rows(g, d, q) for g, d, q in zip(generations, drafts, qs, strict=True)]
-        chosen = _tokens(generations, drafts, judged)
         emitted, accepted_counts = 0, []
-        rows = zip(generations, drafts, qs, judged, chosen, kept, strict=True)
-        for g, draft, q, targets, (tokens, path), length in rows:
+        rows = zip(generations, drafts, qs, kept, strict=True)
+        for g, draft, q, length in rows:
             g.stats.time_verify_s += verify_s
-            accepted = len(tokens) - 1
+            count, accepted = _own(g, _keep, self.verifier, g, draft, q, length, trees) or (0, 0)
             accepted_counts.append(accepted)
-            if trees:
-                self.verifier.commit_path(_path_rows(path), g.row)
-            else:
-                self.verifier.rollback(length + 1 + accepted, g.row)
-            count = g.emit(tokens, _emitted_rows(q, draft, path))
+            if g.error is not None:
+                self.verifier.rollback(length, g.row)  # what this iteration fed is dropped
             emitted += count
-            g.stats.record(draft.depth, accepted, count)
-            if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
-                _meter(g, draft, q, targets, path, count)
         verified = sum(len(f) for f in feeds)
         confidences = tuple(_confidences(d) for d in drafts)
         return StepTiming(
@@ -211,7 +208,15 @@ class Stepper:
         counts = [g.draft_budget(k) for g, k in zip(generations, num_draft_tokens, strict=True)]
         asks = [
             DraftRequest(
-                g.row, g.context, k, g.sampling, g.generator, g.process, stop, g.spec.branches
+                g.row,
+                g.context,
+                k,
+                g.sampling,
+                g.generator,
+                g.process,
+                stop,
+                g.spec.branches,
+                g.allowed,
             )
             for g, k, stop in zip(generations, counts, stops, strict=True)
             if k > 0
@@ -226,7 +231,8 @@ class Stepper:
         for g, k in zip(generations, counts, strict=True):
             if k > 0:
                 g.stats.time_draft_s += elapsed
-            drafts.append(_admitted(g, next(proposed)) if k > 0 else Draft([], None))
+            proposal = next(proposed) if k > 0 else Draft([], None)
+            drafts.append(_own(g, _admitted, g, proposal) or Draft([], None))
         return drafts, max(len(d.tokens) for d in drafts), elapsed, caught_up
 
     def _read(
@@ -317,37 +323,62 @@ def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
     return torch.cat([targets, q[k:]])  # [K+1, V]
 
 
-def _tokens(
-    generations: Sequence[Generation], drafts: Sequence[Draft], judged: Sequence[Tensor]
-) -> list[tuple[list[int], list[int]]]:
-    """Each row's emitted tokens and the drafts they kept (a tree's accepted path): one draw
+def _keep(
+    verifier: Backend, g: Generation, draft: Draft, q: Tensor, length: int, trees: bool
+) -> tuple[int, int]:
+    """Judge the row's drafts against its judged rows, keep the accepted ones in the
+    verifier's cache, emit them with the row's own token and meter them: (tokens emitted,
+    drafts accepted)."""
+    targets = _judged_rows(g, draft, q)
+    tokens, path = _tokens(g, draft, targets)
+    accepted = len(tokens) - 1
+    if trees:
+        verifier.commit_path(_path_rows(path), g.row)
+    else:
+        verifier.rollback(length + 1 + accepted, g.row)
+    count = g.emit(tokens, _emitted_rows(q, draft, path))
+    g.stats.record(draft.depth, accepted, count)
+    if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
+        _meter(g, draft, q, targets, path, count)
+    return count, accepted
+
+
+def _own(g: Generation, work: Callable, *args):
+    """``work(*args)``, the row's own, or None once the row has failed: an exception fails
+    that row only (``Generation.fail``)."""
+    if g.error is not None:
+        return None
+    try:
+        return work(*args)
+    except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
+        g.fail(err)
+        return None
+
+
+def _tokens(g: Generation, draft: Draft, q: Tensor) -> tuple[list[int], list[int]]:
+    """The row's emitted tokens and the drafts they kept (a tree's accepted path): one draw
     from its last row where nothing was drafted, else its kept drafts and the token of its
     own, from ``verify`` (``verify_block``, ``verify_tree``: towards the judged rows) on that
     row alone. (One call over rows
     stacked to [B, K+1, V] copies every row's q and p first: at B = 8, K = 10 and the
     default pair's 151,936 tokens that is ~100 MB a step, 34 ms against 3 ms for the loop,
     ``benchmarks/verify_rows.py``.)"""
-    out = []
-    for g, draft, q in zip(generations, drafts, judged, strict=True):
-        if not draft.tokens:
-            out.append(([draw(q[-1:], g.sampling.greedy, g.generator)], []))
-            continue
-        if draft.parents is not None:
-            walk = verify_traversal if g.spec.verification == "traversal" else verify_tree
-            tree = walk(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
-            out.append((tree.tokens, tree.path))
-            continue
-        ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
-        p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
-        if _block(g, draft):
-            result = verify_block(ids, q[None], p, g.generator, False)  # SpS towards q's rows
-        else:
-            result = verify(
-                ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
-            )
-        accepted = int(result.num_accepted[0])
-        out.append((result.tokens[0, : accepted + 1].tolist(), list(range(accepted))))
-    return out
+    if not draft.tokens:
+        return [draw(q[-1:], g.sampling.greedy, g.generator)], []
+    if draft.parents is not None:
+        walk = verify_traversal if g.spec.verification == "traversal" else verify_tree
+        tree = walk(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
+        return tree.tokens, tree.path
+    ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
+    p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
+    if _block(g, draft):
+        result = verify_block(ids, q[None], p, g.generator, False)  # SpS towards q's rows
+    else:
+        result = verify(
+            ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
+        )
+    accepted = int(result.num_accepted[0])
+    return result.tokens[0, : accepted + 1].tolist(), list(range(accepted))
 
 
 def _meter(

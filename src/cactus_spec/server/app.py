@@ -25,8 +25,8 @@ from starlette.requests import ClientDisconnect
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.generation import GenerationResult
-from cactus_spec.runtime.grammar import Grammar
+from cactus_spec.runtime.generation import GenerationResult, row_error_message
+from cactus_spec.runtime.grammar import Grammar, GrammarError
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
 from cactus_spec.server import schema
@@ -40,7 +40,7 @@ from cactus_spec.server.protocol import (
     parse,
     speculative_spec,
 )
-from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools
+from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools, tool_markers
 
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
@@ -53,6 +53,7 @@ SHUTDOWN_GRACE_S = 30.0
 #: How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.25
 _SHUTTING_DOWN = "the server is shutting down"
+_DECODING_FAILED = "decoding_failed"  # the code of an error raised while a request decoded
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
+        handler.count(err)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -94,7 +96,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+        text = prometheus_text(scheduler, handler.invalid)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -183,6 +186,14 @@ class _Handler:
         self.config = config
         self.closing = False
         self.live: dict[Request, asyncio.Queue] = {}  # submitted, not yet answered
+        self.invalid = 0  # requests answered with a 4xx before decoding (429s: the queue's)
+        self.tool_markers = tool_markers(self.engine.tokenizer)
+
+    def count(self, err: APIError) -> None:
+        """Count a request refused with a 4xx before it decoded (the scheduler counts 429s and
+        what failed while decoding)."""
+        if 400 <= err.status < 500 and err.status != 429 and err.code != _DECODING_FAILED:
+            self.invalid += 1
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting (503), let the live requests run up to ``grace_s`` seconds, then end
@@ -208,14 +219,15 @@ class _Handler:
         max_tokens = self._max_tokens(body, chat)
         prompts = self._prompts(body, chat)
         for ids in prompts:
-            try:
-                self.engine.check_context(len(ids), max_tokens, spec)
-            except ValueError as err:
-                raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+            self._check_context(len(ids), max_tokens, spec)
         if len(prompts) * body.n > self.scheduler.max_queue:
             message = f"n: {len(prompts) * body.n} choices exceed the server's queue (--max-queue)"
             raise APIError(400, message, "n")
-        grammar = self._grammar(body)
+        grammar = body.grammar(self.tool_markers)
+        if grammar is not None and body.ignore_eos:
+            param = _grammar_param(body)
+            message = f"{param}: ignore_eos cannot be used with a grammar, which ends at EOS"
+            raise APIError(400, message, param)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         logprobs, stops = body.logprob_count(), body.stops()
         penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
@@ -241,6 +253,9 @@ class _Handler:
             )
 
     def _spec(self, body: SamplingFields) -> DecodeSpec:
+        """The request's spec. A seeded request that leaves K open drafts the server's
+        largest K: K decided by the policy would depend on what else the server serves, and
+        a row's draws depend on K, so the seed would not reproduce its tokens."""
         spec = speculative_spec(body.speculative, self.engine.spec)
         if spec.drafts and not self.engine.spec.drafts:
             raise APIError(
@@ -249,7 +264,24 @@ class _Handler:
                 "no drafter, so only method ar is served",
                 "speculative",
             )
+        if body.seed is not None and spec.drafts and spec.num_draft_tokens is None:
+            spec = spec.with_num_draft_tokens(self.engine.draft_tokens(spec))
         return spec
+
+    def _check_context(self, prompt_tokens: int, max_tokens: int, spec: DecodeSpec) -> None:
+        """A 400 when the prompt, the budget and one iteration's drafts overflow the context,
+        naming ``max_tokens`` or, where the drafts alone make it overflow, what sized them."""
+        try:
+            self.engine.check_context(prompt_tokens, max_tokens, spec)
+        except ValueError as err:
+            param = "max_tokens"
+            try:
+                self.engine.check_context(prompt_tokens, max_tokens, DecodeSpec.of("ar"))
+            except ValueError:
+                pass
+            else:
+                param = "speculative.branches" if spec.trees else "speculative.num_draft_tokens"
+            raise APIError(400, str(err), param, "context_length_exceeded") from None
 
     def _penalties(self, body: SamplingFields) -> Penalties:
         penalties = body.penalties()
@@ -273,17 +305,17 @@ class _Handler:
         given = body.max_completion_tokens if chat else None
         return given or body.max_tokens or self.config.default_max_tokens
 
-    def _grammar(self, body: SamplingFields) -> Grammar | None:
-        """What the request's output must match, checked against the model's tokenizer."""
-        grammar = body.grammar()
+    async def _check_grammar(self, body: SamplingFields, grammar: Grammar | None) -> None:
+        """A 400 naming the field the grammar came from unless it compiles for the model's
+        tokenizer and can start (``Grammars.compile``; in a thread: a large grammar takes up
+        to a second, which the event loop must not wait)."""
         if grammar is None:
-            return None
-        param = "response_format" if body.response_format is not None else "tool_choice"
+            return
         try:
-            self.engine.check_grammar(grammar, body.ignore_eos)
+            await asyncio.to_thread(self.engine.check_grammar, grammar)
         except ValueError as err:
-            raise APIError(400, f"{param}: {err}", param) from None
-        return grammar
+            param = _grammar_param(body)
+            raise APIError(400, f"{param}: {row_error_message(err)}", param) from None
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The conversation through the chat template, with the tools offered (in
@@ -314,11 +346,16 @@ class _Handler:
         if self.closing:
             raise APIError(503, f"{_SHUTTING_DOWN}; retry elsewhere", code="shutting_down")
         pendings = self.requests(body, chat)
+        await self._check_grammar(body, pendings[0].grammar)
         events: asyncio.Queue = asyncio.Queue()  # (kind, choice index, value)
         loop = asyncio.get_running_loop()
 
         def send(kind: str, index: int) -> Callable:
-            return lambda value: loop.call_soon_threadsafe(events.put_nowait, (kind, index, value))
+            def put(value: object) -> None:
+                if not loop.is_closed():  # after shutdown nobody is left to tell
+                    loop.call_soon_threadsafe(events.put_nowait, (kind, index, value))
+
+            return put
 
         for index, pending in enumerate(pendings):
             pending.on_text = send("text", index) if body.stream else None
@@ -334,13 +371,15 @@ class _Handler:
         answer = Answer(
             self.config.model_id, chat, prompt_tokens, len(pendings), body.n, text, tools
         )
+        grammar_param = None if pendings[0].grammar is None else _grammar_param(body)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(pendings, events, answer, usage), media_type="text/event-stream"
+                self._stream(pendings, events, answer, usage, grammar_param),
+                media_type="text/event-stream",
             )
         try:
-            return await self._whole(request, pendings, events, answer)
+            return await self._whole(request, pendings, events, answer, grammar_param)
         finally:
             self._forget(pendings)
 
@@ -361,7 +400,12 @@ class _Handler:
             self.scheduler.cancel(pending)
 
     async def _whole(
-        self, request: HTTPRequest, pendings: list[Request], events: asyncio.Queue, answer
+        self,
+        request: HTTPRequest,
+        pendings: list[Request],
+        events: asyncio.Queue,
+        answer,
+        grammar_param: str | None,
     ):
         """Wait for every choice's result, cancelling them all if the client goes away."""
         results: dict[int, GenerationResult] = {}
@@ -373,14 +417,19 @@ class _Handler:
                     return JSONResponse({}, status_code=499)
                 continue
             if kind == "error":
-                raise APIError(500, f"decoding failed: {value}")
+                raise _decode_error(value, grammar_param)
             if kind == "shutdown":
                 raise APIError(503, f"{_SHUTTING_DOWN}; the answer was not finished")
             results[index] = value
         return JSONResponse(answer.whole([results[i] for i in range(len(pendings))]))
 
     async def _stream(
-        self, pendings: list[Request], events: asyncio.Queue, answer, usage: bool
+        self,
+        pendings: list[Request],
+        events: asyncio.Queue,
+        answer,
+        usage: bool,
+        grammar_param: str | None,
     ) -> AsyncIterator[str]:
         """Server-sent events: per choice, one chunk per piece of text and its finish; then
         usage and [DONE]."""
@@ -399,7 +448,7 @@ class _Handler:
                     if piece:
                         yield _sse(answer.chunk(index, piece, None, entries.pop(index, None)))
                 elif kind == "error":
-                    yield _sse(APIError(500, f"decoding failed: {value}").body())
+                    yield _sse(_decode_error(value, grammar_param).body())
                     break
                 elif kind == "shutdown":
                     yield _sse(APIError(503, f"{_SHUTTING_DOWN}; the answer ends here").body())
@@ -416,6 +465,21 @@ class _Handler:
             yield "data: [DONE]\n\n"
         finally:
             self._forget(pendings)
+
+
+def _grammar_param(body: SamplingFields) -> str:
+    """The field a request's grammar came from."""
+    return "response_format" if body.response_format is not None else "tool_choice"
+
+
+def _decode_error(err: BaseException, grammar_param: str | None) -> APIError:
+    """The answer to a request whose decoding failed with ``err``, its own error (or a
+    ``BatchError``, which names no request): a 400 naming the grammar's field where its
+    grammar could not go on, else a 500; either way one bounded line."""
+    message = row_error_message(err)
+    if isinstance(err, GrammarError) and grammar_param is not None:
+        return APIError(400, f"{grammar_param}: {message}", grammar_param, _DECODING_FAILED)
+    return APIError(500, f"decoding failed: {message}", code=_DECODING_FAILED)
 
 
 def _sampling(body: SamplingFields) -> SamplingConfig:

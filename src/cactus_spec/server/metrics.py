@@ -7,9 +7,10 @@ from cactus_spec.runtime.scheduler import Scheduler
 _PREFIX = "cactus_spec"
 
 
-def prometheus_text(scheduler: Scheduler) -> str:
-    """Requests, tokens, acceptance, divergence, prefix caching, throughput, queue length and
-    batch size."""
+def prometheus_text(scheduler: Scheduler, invalid: int = 0) -> str:
+    """Requests by outcome (``invalid``: refused with a 4xx before decoding; ``rejected``:
+    429, the queue was full; ``failed``: decoding ended with an error), tokens, acceptance,
+    divergence, prefix caching, throughput, queue length and batch size."""
     c = scheduler.counters
     lines: list[str] = []
 
@@ -23,6 +24,8 @@ def prometheus_text(scheduler: Scheduler) -> str:
         '{outcome="finished"}': c.requests_finished,
         '{outcome="cancelled"}': c.requests_cancelled,
         '{outcome="rejected"}': c.requests_rejected,
+        '{outcome="invalid"}': invalid,
+        '{outcome="failed"}': c.requests_failed,
     }
     metric("requests_total", "counter", "Requests by outcome.", outcomes)
     metric("generated_tokens_total", "counter", "Tokens generated.", {"": c.tokens})

@@ -6,19 +6,22 @@ the command line (``core.spec.parse_spec``)::
 
     "speculative": {"method": "cactus", "delta": 1.0, "exact": false, "num_draft_tokens": 8}
 
-Unknown top-level fields are ignored (as OpenAI-compatible servers do); every known field is
-checked, and a bad one gets a 400 naming it. Extensions besides ``top_k`` and
+An unknown top-level field (a misspelt ``temprature``) is a 400 naming it, as OpenAI answers;
+every known field is checked, and a bad one gets a 400 naming it; a string anywhere in the
+body that is not Unicode text (a lone surrogate, ``"\ud800"``) is a 400 naming its field.
+Extensions besides ``top_k`` and
 ``speculative``: ``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos`` (as in
 vLLM), and ``response_format`` types ``regex`` and ``grammar`` (on completions too). OpenAI
 fields the server does not honour (``NOT_HONOURED``) are accepted only with the value that
 asks for nothing (``"echo": false``, ``"functions": []``); any other value is a 400 that
 names the field, never a 200 that silently ignores it. Fields that do not change
-the answer (``user``, ``metadata``, ``store: false``, ...) are accepted.
+the answer (``IGNORED``: ``user``, ``metadata``, ``service_tier``) are accepted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,7 +32,7 @@ from cactus_spec.core.sampling import MAX_SEED
 from cactus_spec.core.spec import DecodeSpec, parse_spec
 from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.logprobs import MAX_TOP_LOGPROBS
-from cactus_spec.server.tools import Tool, ToolChoice, tool_grammar
+from cactus_spec.server.tools import DEFAULT_MARKERS, Tool, ToolChoice, tool_grammar
 
 #: Largest K a request may ask for.
 MAX_DRAFT_TOKENS = 32
@@ -79,6 +82,51 @@ NOT_HONOURED: dict[str, dict[str, tuple]] = {
         "web_search_options": (),
     },
 }
+
+
+#: OpenAI fields accepted and ignored: they do not change the answer.
+IGNORED = ("user", "metadata", "service_tier")
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: ASCII decimal, no leading zero
+
+
+def check_known(data: dict, model: type[BaseModel], route: str) -> None:
+    """A 400 naming the first top-level field of ``data`` that ``model`` does not know."""
+    known = {field.alias or name for name, field in model.model_fields.items()}
+    known |= set(model.model_fields) | set(NOT_HONOURED[route]) | set(IGNORED)
+    for name in data:
+        if name not in known:
+            raise APIError(400, f"{_printable(name)}: unknown field", _printable(name))
+
+
+def check_text(value: object, path: str = "") -> None:
+    """A 400 naming the first string (key or value) under ``value`` that is not Unicode
+    text: a lone surrogate cannot be encoded, so no tokenizer can read it."""
+    if isinstance(value, str):
+        if not _encodable(value):
+            message = f"{path or 'body'}: not valid Unicode text (a lone surrogate)"
+            raise APIError(400, message, path or None)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{_printable(key)}" if path else _printable(key)
+            if not _encodable(key):
+                raise APIError(400, f"{where}: a key is not valid Unicode text", path or None)
+            check_text(item, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, f"{path}[{i}]")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(name: str) -> str:
+    """``name`` safe to echo: its unencodable characters escaped, at most 64 characters."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")[:64]
 
 
 def check_honoured(data: dict, route: str) -> None:
@@ -170,8 +218,11 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
 
-    def grammar(self) -> Grammar | None:
-        """What the output must match (``response_format``), None when anything goes."""
+    def grammar(self, markers: tuple[str, str] = DEFAULT_MARKERS) -> Grammar | None:
+        """What the output must match (``response_format``), None when anything goes;
+        ``markers``: how the tokenizer writes a tool call's markers (``tools.tool_markers``)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
         return None if self.response_format is None else self.response_format.as_grammar()
 
     def penalties(self) -> Penalties:
@@ -179,8 +230,9 @@ class SamplingFields(BaseModel):
         field."""
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", "logit_bias")
+            if not _TOKEN_ID.fullmatch(key):
+                message = f"logit_bias: keys are token ids in ASCII decimal, got {key!r}"
+                raise APIError(400, message, "logit_bias")
             bias.append((int(key), value))
         try:
             return Penalties(
@@ -299,15 +351,16 @@ class ChatCompletionRequest(SamplingFields):
         """Whether the model is offered tools (and its output read for calls)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, markers: tuple[str, str] = DEFAULT_MARKERS) -> Grammar | None:
         """What the output must match: a forced tool call, else ``response_format``."""
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice")
         shaped = super().grammar()
         if not self.tool_mode:
             return shaped
+        choice = self.tool_choice or "auto"
         try:
-            forced = tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
+            forced = tool_grammar(self.tools, choice, self.parallel_tool_calls, markers)
         except ValueError as err:
             raise APIError(400, str(err), "tool_choice") from None
         if forced is not None and shaped is not None:
@@ -329,14 +382,37 @@ def parse(model: type[BaseModel], data: object) -> Any:
     asking for what the server does not honour."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_honoured(data, "chat" if model is ChatCompletionRequest else "completions")
+    route = "chat" if model is ChatCompletionRequest else "completions"
+    check_text(data)
+    check_known(data, model, route)
+    check_honoured(data, route)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        field = ".".join(str(part) for part in first["loc"] if not isinstance(part, int)) or None
-        where = ".".join(str(part) for part in first["loc"])
+        path = _input_path(data, first["loc"])
+        field = ".".join(str(part) for part in path if not isinstance(part, int)) or None
+        where = ".".join(str(part) for part in path)
         raise APIError(400, f"{where}: {first['msg']}", field) from None
+
+
+def _input_path(data: object, loc: tuple) -> list:
+    """The part of a validation error's ``loc`` that names fields of the input: pydantic
+    adds the union member it tried (``str``, ``literal['none','auto']``), which no client
+    wrote; a missing field ends the path."""
+    path: list = []
+    for part in loc:
+        if isinstance(data, dict) and isinstance(part, str):
+            path.append(part)
+            if part not in data:
+                break
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            path.append(part)
+            data = data[part]
+        else:
+            break
+    return path
 
 
 def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> DecodeSpec:

@@ -12,6 +12,11 @@ so that is what ``parse_tool_calls`` reads back, and what ``tool_grammar`` enfor
 arguments matching the function's JSON schema) when ``tool_choice`` is ``required`` or names
 a function. A template without ``<tool_call>`` defines no format: a request with tools gets
 a 400. With ``auto`` the model chooses; text that does not parse as calls stays content.
+
+A tokenizer may hold a marker as one added token (Qwen2.5: ``<tool_call>`` is id 151657),
+which the model emits and which the grammar engine matches only as that token, never as
+the text's bytes; the grammar then names the token (``<[151657]>``) beside the text
+(``tool_markers``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from cactus_spec.runtime.generation import held_back
 from cactus_spec.runtime.grammar import Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+#: The markers as Lark terms when the tokenizer has no token of their own: their text.
+DEFAULT_MARKERS = (json.dumps(OPEN), json.dumps(CLOSE))
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
@@ -68,10 +75,28 @@ def template_tools(tools: list[Tool]) -> list[dict]:
     return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
-def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Grammar | None:
+def tool_markers(tokenizer: Any) -> tuple[str, str]:
+    """Lark terms of ``OPEN`` and ``CLOSE`` for ``tokenizer``: the marker's own added token
+    where it has one (matched only as that token), or its text."""
+    return _marker(tokenizer, OPEN), _marker(tokenizer, CLOSE)
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = [i for i, token in added.items() if str(token) == text]
+    return f"(<[{ids[0]}]> | {json.dumps(text)})" if ids else json.dumps(text)
+
+
+def tool_grammar(
+    tools: list[Tool],
+    choice: ToolChoice,
+    parallel: bool,
+    markers: tuple[str, str] = DEFAULT_MARKERS,
+) -> Grammar | None:
     """The grammar that forces a call (``required``: of any tool; a named function: of it),
-    its arguments matching the function's parameters; ``parallel`` allows several calls.
-    None for ``auto`` and ``none``. ValueError naming ``tool_choice`` for an unknown name."""
+    its arguments matching the function's parameters; ``parallel`` allows several calls;
+    ``markers``: the Lark terms of ``OPEN`` and ``CLOSE`` (``tool_markers``). None for
+    ``auto`` and ``none``. ValueError naming ``tool_choice`` for an unknown name."""
     if isinstance(choice, str):
         if choice != "required":
             return None
@@ -81,7 +106,7 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Gramm
         if not functions:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
     schema = {"anyOf": [_call_schema(f) for f in functions]}
-    call = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+    call = f'{markers[0]} "\\n" %json {json.dumps(schema)} "\\n" {markers[1]}'
     more = ' ("\\n" call)*' if parallel else ""
     return Grammar("lark", f"start: call{more}\ncall: {call}\n")
 
