@@ -177,6 +177,8 @@ class Tally:
         self.counts: Counter[str] = Counter()
         self.series: defaultdict[str, list[float]] = defaultdict(list)
         self.server_errors: list[str] = []
+        self.planted: set[str] = set()  # every hostile request's marker
+        self.leaks: list[str] = []  # answers holding another request's marker
 
     def count(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -185,6 +187,19 @@ class Tally:
     def extend(self, key: str, values: list[float]) -> None:
         with self.lock:
             self.series[key].extend(values)
+
+    def leaked(self, text: str) -> None:
+        with self.lock:
+            self.counts["cross_request_leaks"] += 1
+            self.leaks.append(text[:300])
+
+    def plant(self, marker: str) -> None:
+        with self.lock:
+            self.planted.add(marker)
+
+    def was_planted(self, marker: str) -> bool:
+        with self.lock:
+            return marker in self.planted
 
     def server_error(self, what: str) -> None:
         with self.lock:
@@ -318,6 +333,7 @@ class Client:
 
     def hostile(self) -> None:
         marker = f"{MARKER}-{self.rng.randrange(10**9)}"
+        self.tally.plant(marker)
         requests = hostile_requests(marker, self.trees)
         kind = self.rng.choice(list(requests))
         body, expected = requests[kind]
@@ -337,9 +353,12 @@ class Client:
             self.leaks(answer.json()["choices"][0]["message"]["content"] or "", marker)
 
     def leaks(self, text: str, own: str = "") -> None:
-        """Count a marker in an answer that did not plant it (its own may be echoed)."""
-        if MARKER in (text.replace(own, "") if own else text):
-            self.tally.count("cross_request_leaks")
+        """Count another request's marker in an answer (a request may echo its own, whole
+        or in part); keep the answer's text for the summary."""
+        for found in re.findall(rf"{MARKER}-(\d+)", text):
+            planted = f"{MARKER}-{found}"
+            if planted != own and self.tally.was_planted(planted):
+                self.tally.leaked(text)
 
     def multi_turn(self) -> None:
         texts = [self.rng.choice(PROMPTS), *self.rng.sample(FOLLOW_UPS, self.rng.randint(2, 3))]
@@ -578,6 +597,7 @@ def summarise(tally: Tally, samples: list[dict], wall_s: float, busy: int, serve
             "hostile": _under(counts, "hostile"),
             "hostile_unexpected": _under(counts, "hostile_unexpected"),
             "cross_request_leaks": counts["cross_request_leaks"],
+            "cross_request_answers": list(tally.leaks),
             "server_errors": server_errors,
             "client_errors": _under(counts, "error"),
         },
@@ -703,6 +723,9 @@ def render(result: dict, settings: dict) -> str:
     lines += ["| --- | ---: |", *(f"| {name} | {value} |" for name, value in rows)]
     if srv["killed"] or srv["died_before"] is not None:
         lines += ["", f"The server: {srv}"]
+    if r["cross_request_answers"]:
+        lines += ["", "Answers with another request's marker:"]
+        lines += [f"- {text!r}" for text in r["cross_request_answers"]]
     if r["server_errors"]:
         lines += ["", "5xx:", *(f"- {e}" for e in r["server_errors"])]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from pathlib import Path
 import jsonschema_rs
 import openai
 
+from cactus_spec import isa
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -85,7 +86,7 @@ def _ask(client, name: str, speculative: dict, choice, seed: int, validator) -> 
 
 
 def _summary(rows: list[dict]) -> str:
-    lines = [f"Forced tool calls on the default pair ({platform.processor() or 'cpu'})", ""]
+    lines = [f"Forced tool calls on the default pair ({_machine()})", ""]
     lines += [
         "| method | answers | 200 | parsed calls | valid arguments |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -97,6 +98,16 @@ def _summary(rows: list[dict]) -> str:
         valid = [r for r in parsed if r["valid"]]
         lines.append(f"| {name} | {len(mine)} | {len(ok)} | {len(parsed)} | {len(valid)} |")
     return "\n".join(lines) + "\n"
+
+
+def _machine() -> str:
+    """The CPU's name and the instruction set the run was held to (``isa``)."""
+    names = [
+        x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
+    ]
+    cpu = names[0].split(":", 1)[1].strip() if names else platform.machine()
+    level = isa.chosen()
+    return f"{cpu}, {(isa.available() or [level])[0] if level == 'native' else level}"
 
 
 if __name__ == "__main__":

@@ -244,3 +244,12 @@ def test_k_auto_leaves_the_draft_length_to_the_policy() -> None:
         expand([parse_entry("hf_assisted:num_draft_tokens=auto")], [6])
     with pytest.raises(ValueError, match="num_draft_tokens must be an integer"):
         expand([parse_entry("sps:num_draft_tokens=often")], [6])
+
+
+def test_a_grid_file_that_names_no_verifier_takes_the_runs_format(tmp_path) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text('[[methods]]\nmethod = "ar"\n[[methods]]\nmethod = "sps"\n')
+    assert {c.verifier for c in load_grid_file(path, "int8")} == {"int8"}
+    assert {c.verifier for c in load_grid_file(path)} == {"none"}  # control: the default
+    path.write_text('verifier = ["int4"]\n[[methods]]\nmethod = "sps"\n')
+    assert {c.verifier for c in load_grid_file(path, "int8")} == {"int4"}  # the file's own

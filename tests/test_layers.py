@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "cactus_spec"
 LAYERS = {
     "paths": 0,
     "files": 0,
+    "isa": 0,
     "core": 0,
     "backends": 1,
     "loading": 2,

@@ -14,6 +14,10 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import PackageNotFoundError, version
 
+from cactus_spec import isa as _isa
+
+_isa.hold_torch()  # CACTUS_SPEC_ISA holds torch's kernels too, before torch runs anything
+
 try:
     __version__ = version("cactus-spec")
 except PackageNotFoundError:  # running from a source tree that was never installed

@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from cactus_spec import isa
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
@@ -299,10 +300,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--verifier-quant",
-        choices=QUANTS,
-        default="none",
+        choices=(*QUANTS, "auto"),
+        default="auto",
         help="verifier weights (int8/int4 change the output law: its measured KL from bfloat16 "
-        "is reported)",
+        "is reported); auto (default): none where the CPU computes in bfloat16, else int8",
     )
 
 
@@ -566,6 +567,7 @@ def run_demo(args: argparse.Namespace) -> int:
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
     verifier = load_model(verifier_src, **options, quant=args.verifier_quant)
     draft = load_model(draft_src, **options, quant=args.draft_quant, head_vocab=args.draft_vocab)
+    stderr.print(_kernels_line(verifier, draft))
     k = args.num_draft_tokens
     runs = [
         ("AR (verifier alone)", None, DecodeSpec.of("ar")),
@@ -599,6 +601,23 @@ def run_demo(args: argparse.Namespace) -> int:
     Console().print(table)
     print(f"\nCactus (delta=1) wrote:\n{result.text}")
     return 0
+
+
+def _kernels_line(verifier, draft) -> str:
+    """Which instruction set and kernels the two models run on."""
+    from cactus_spec.backends.packed import bf16_kernel
+    from cactus_spec.backends.quant import int4_kernel, quant_kernel
+
+    kernels = {"int8": quant_kernel(), "int4": int4_kernel(), "bfloat16": bf16_kernel()}
+    used = {}
+    for role, model in (("verifier", verifier), ("draft", draft)):
+        kind = model.quant if model.quant in ("int8", "int4") else "bfloat16"
+        dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
+        used[role] = kernels[kind] if kind != "bfloat16" or dtype == kind else f"{dtype}, torch"
+    level = isa.chosen()
+    own = (isa.available() or ["the CPU's own"])[0]
+    cpu = f"{own} (the CPU's own)" if level == "native" else f"{level} (CACTUS_SPEC_ISA)"
+    return f"instruction set: {cpu}; verifier: {used['verifier']}; draft: {used['draft']}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -698,6 +717,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
     try:
+        isa.chosen()  # a bad CACTUS_SPEC_ISA is an error before anything loads
+        if getattr(args, "verifier_quant", None) == "auto":
+            from cactus_spec.loading.models import resolve_verifier_quant
+
+            args.verifier_quant = resolve_verifier_quant("auto")
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as error:
         message = " ".join(str(error).split())  # one line, whatever the message held

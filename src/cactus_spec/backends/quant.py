@@ -48,13 +48,12 @@ kernels compute it:
 
 from __future__ import annotations
 
-import functools
 import warnings
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from cactus_spec import isa
 from cactus_spec.backends import native
 from cactus_spec.backends.memory import own_memory, trim_heap
 
@@ -73,20 +72,16 @@ def check_quant(quant: object, name: str = "quant") -> str:
     return quant
 
 
-@functools.cache
 def _cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (fbgemm then accumulates u8*s8 without saturation)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags.split()
+    """Whether this CPU, at the level it is held to (``isa``), has AVX512-VNNI (fbgemm then
+    accumulates u8*s8 without saturation)."""
+    return isa.allows("avx512_vnni")
 
 
 def quant_kernel() -> str:
     """The int8 path this CPU takes (results that depend on it record it)."""
     if native.available():
-        simd = "AVX512-VNNI" if native.load().has_vnni() else "portable C++"
+        simd = native.load().int_simd()
         if native.load().has_amx():
             simd = f"AMX tiles for blocks, {simd} for one row"
         return f"native int8 ({simd}), per-channel weights, per-row 8-bit activations"
@@ -97,7 +92,7 @@ def quant_kernel() -> str:
 def int4_kernel() -> str:
     """The int4 path this CPU takes (results that depend on it record it)."""
     if native.available():
-        simd = "AVX512-VNNI" if native.load().has_vnni() else "portable C++"
+        simd = native.load().int_simd()
         return f"native int4 ({simd}), groups of {NATIVE_INT4_GROUP}, per-row 8-bit activations"
     return f"torch int4, groups of {INT4_GROUP}, bfloat16 activations"
 

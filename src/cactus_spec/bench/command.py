@@ -59,7 +59,7 @@ def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
     if args.grid:
         if args.method or args.num_draft_tokens or args.drafter:
             raise ValueError("--grid takes methods, num_draft_tokens and drafter from the file")
-        return load_grid_file(args.grid)
+        return load_grid_file(args.grid, args.verifier_quant)
     ks, drafters = _given(args, "num_draft_tokens"), _given(args, "drafter")
     if args.method:
         entries = [parse_entry(spec) for spec in args.method]

@@ -375,8 +375,9 @@ def parse_list(text: str) -> list[str]:
     return values
 
 
-def load_grid_file(path: str | Path) -> tuple[Config, ...]:
-    """Configurations from a TOML or JSON grid file."""
+def load_grid_file(path: str | Path, verifier: str = "none") -> tuple[Config, ...]:
+    """Configurations from a TOML or JSON grid file; ``verifier``: the verifier format of a
+    file that names none (``--verifier-quant``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"grid file {path} does not exist")
@@ -390,7 +391,7 @@ def load_grid_file(path: str | Path) -> tuple[Config, ...]:
     entries = [_file_entry(entry, path) for entry in methods]
     ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
     drafters = _listed(raw.get("drafter", ["model"]))
-    verifiers = _listed(raw.get("verifier", ["none"]))
+    verifiers = _listed(raw.get("verifier", [verifier]))
     verifications = _listed(raw.get("verification", [None]))
     drafts = _listed(raw.get("draft", [None]))
     widths = _listed(raw.get("branches", [None]))

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import cactus_spec
+from cactus_spec import isa
 from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.loading.model_store import file_sha256
@@ -51,6 +52,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": _cpu_name(),
+        "isa": isa.chosen(),
         "accelerator": accelerator,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

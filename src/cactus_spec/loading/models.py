@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from cactus_spec import isa
 from cactus_spec.backends.quant import check_quant, quantize
 from cactus_spec.core.checks import check_int
 from cactus_spec.loading.catalog import REGISTRY
@@ -95,9 +96,24 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
 
 
 def _cpu_has_fast_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX), at the level it
+    is held to (``isa``)."""
+    if isa.chosen() in ("avx2", "portable"):
+        return False
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_verifier_quant(quant: str) -> str:
+    """``quant``, or for ``auto`` the verifier format that fits this CPU at its level
+    (``isa``): its dense weights where it computes in bfloat16, else int8 where the native
+    kernels run (on an AVX2 CPU a 1.5B verifier decodes ~9x faster in int8 than in float32,
+    at a measured KL of ~0.009 nats/token from bfloat16, reported with every result)."""
+    if quant != "auto":
+        return check_quant(quant, "verifier_quant")
+    from cactus_spec.backends import native
+
+    return "none" if _cpu_has_fast_bf16() or not native.available() else "int8"
 
 
 def resolve_dtype(

@@ -9,10 +9,10 @@ x[r] ~ lo[r] + step[r] u[r] with u in 0..255, so that
     y[r, n] = scale[n] (step[r] <u[r], w[n]> + lo[r] sum_k w[n, k]) + b[n],
 
 the integer dot product exact in int32 (AMX tiles for blocks of rows where the CPU has
-them, AVX512-VNNI's vpdpbusd for one row, plain C++ elsewhere; computed centred, see
-int8_linear.cpp). Unlike a GEMM library it reads the weight once per call whatever the rows
-and quantises the rows inside the call, which is where a one-token draft step spent its
-time.
+them, AVX512-VNNI's vpdpbusd for one row, AVX-VNNI's vpdpbusd or AVX2's vpmaddubsw on 256
+bits, plain C++ elsewhere; computed centred, see int8_linear.cpp). Unlike a GEMM library it
+reads the weight once per call whatever the rows and quantises the rows inside the call,
+which is where a one-token draft step spent its time.
 
 ``int4_linear(x, packed, scales, bias)``: y = x W^T + b against 4-bit weights in groups of
 64 inputs, W[n, k] ~ low[n, g] + s[n, g] c[n, k] (``pack_int4`` of codes c [N, K] in 0..15
@@ -21,7 +21,8 @@ v[r]:
 
     y[r, n] = step[r] sum_g (s[n, g] <v[r], c[n]>_g + low[n, g] sum_{k in g} v[r, k]) + b[n],
 
-each group's sums exact in int32 (AVX512-VNNI, plain C++ elsewhere; see int4_linear.cpp):
+each group's sums exact in int32 (AVX512-VNNI, AVX-VNNI or AVX2, plain C++ elsewhere; see
+int4_linear.cpp):
 half the weight bytes of int8, for the one-row draft step.
 
 ``bf16_linear(x, packed, bias)``: y = x W^T + b in bfloat16 (``pack_bf16`` of w [N, K]), the
@@ -38,6 +39,9 @@ a cache shared between machines never runs code compiled for another CPU; later 
 load it in a fraction of a second. ``CACTUS_SPEC_NATIVE=0`` turns it off; without a
 compiler it is off, and callers fall back to torch's kernels (``available()`` says which).
 ``CACTUS_SPEC_AMX=0`` keeps them without AMX tiles (the bfloat16 kernel then is not used).
+``CACTUS_SPEC_ISA`` builds (and keys) them for a lower level than the CPU's (``isa``): the
+int8 and int4 products then take their AVX2 path (AVX-VNNI where the compiler targets it),
+which gives the same bits as the AVX512 one (``int_simd()`` names the path compiled).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from types import ModuleType
 
 import torch
 
+from cactus_spec import isa
 from cactus_spec.paths import cache_dir
 
 _HERE = Path(__file__).parent
@@ -61,8 +66,14 @@ _SOURCE_NAMES = (
 SOURCES = tuple(_HERE / name for name in _SOURCE_NAMES)
 HEADERS = (_HERE / "amx.h", _HERE / "linear.h", _HERE / "block.h")
 #: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded
-#: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds).
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+#: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds);
+#: the target is the level ``isa`` holds this process to (the CPU's own: -march=native).
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+
+
+def compiler_flags() -> tuple[str, ...]:
+    """The flags the kernels are built with at this process's level (``isa.chosen``)."""
+    return (*FLAGS, *isa.COMPILER_FLAGS[isa.chosen()])
 
 
 def _cpu_key() -> str:
@@ -75,7 +86,7 @@ def _cpu_key() -> str:
         )
     except (OSError, StopIteration):
         cpu = platform.processor()
-    parts = [cpu, torch.__version__, *FLAGS, *(s.read_text() for s in SOURCES + HEADERS)]
+    parts = [cpu, torch.__version__, *compiler_flags(), *(s.read_text() for s in SOURCES + HEADERS)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -87,13 +98,14 @@ def load() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    build = cache_dir() / "native" / _cpu_key()
+    level = isa.chosen()
+    build = cache_dir() / "native" / f"{level}-{_cpu_key()}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name="cactus_spec_native",
+            name=f"cactus_spec_native_{level}",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=list(FLAGS),
+            extra_cflags=list(compiler_flags()),
             build_directory=str(build),
             verbose=False,
         )

@@ -10,7 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4", &pack_int4, "int4 codes and group scales in int4_linear's layout");
   m.def("int4_linear", &int4_linear, "y = x W^T + b with packed int4 W and per-row uint8 x");
   m.def("int4_block", int4_block, "one int4 decoder block over the layer's KV cache");
-  m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path was compiled");
+  m.def("int_simd", &int_simd, "the instructions the int8 and int4 products use");
   m.def("pack_bf16", &pack_bf16, "a bfloat16 [N, K] weight in bf16_linear's layout");
   m.def("bf16_linear", &bf16_linear, "y = x W^T + b in bfloat16 on AMX tiles");
   m.def("bf16_block", bf16_block, "one bfloat16 decoder block over the layer's KV cache");

@@ -30,6 +30,12 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define CACTUS_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define CACTUS_AVX2 1
+#if defined(__AVXVNNI__)
+#define CACTUS_AVX_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -97,6 +103,67 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(sums[r] + b * kLanes, acc[r][b]);
+#elif defined(CACTUS_AVX2)
+  // The same steps on halves of 8 lanes, so the same bits: each group's products exact in
+  // int32 (AVX-VNNI's vpdpbusd, or vpmaddubsw on codes <= 15 against |v| <= 127, which int16
+  // holds, then vpmaddwd), then the same two fused multiply-adds per lane.
+  constexpr int kHalves = 2 * kBlocks;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+#ifndef CACTUS_AVX_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[R][kHalves];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < kHalves; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dots[R][kHalves];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < kHalves; ++h) dots[r][h] = _mm256_setzero_si256();
+    const uint8_t* group = codes + g * kGroupBytes;
+    const char* next = reinterpret_cast<const char*>(group + kAhead * kGroupBytes);
+    for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+    for (int i = 0; i < 8; ++i) {
+      __m256i low_quad[R], high_quad[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* v = rows.v.data() + (r0 + r) * rows.k4 + g * kGroup;
+        int32_t four;
+        std::memcpy(&four, v + 4 * i, 4);
+        low_quad[r] = _mm256_set1_epi32(four);
+        std::memcpy(&four, v + 4 * (i + 8), 4);
+        high_quad[r] = _mm256_set1_epi32(four);
+      }
+      for (int h = 0; h < kHalves; ++h) {
+        const auto* at = group + ((h / 2) * 8 + i) * 64 + (h % 2) * 32;
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+        const __m256i low = _mm256_and_si256(packed, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+#ifdef CACTUS_AVX_VNNI
+          dots[r][h] = _mm256_dpbusd_avx_epi32(dots[r][h], low, low_quad[r]);
+          dots[r][h] = _mm256_dpbusd_avx_epi32(dots[r][h], high, high_quad[r]);
+#else
+          const __m256i lows = _mm256_madd_epi16(_mm256_maddubs_epi16(low, low_quad[r]), ones);
+          const __m256i highs = _mm256_madd_epi16(_mm256_maddubs_epi16(high, high_quad[r]), ones);
+          dots[r][h] = _mm256_add_epi32(dots[r][h], _mm256_add_epi32(lows, highs));
+#endif
+        }
+      }
+    }
+    const at::Half* scale = scales + g * 2 * kOutTile;
+    for (int h = 0; h < kHalves; ++h) {
+      const auto* s_bits = reinterpret_cast<const __m128i*>(scale + h * 8);
+      const auto* low_bits = reinterpret_cast<const __m128i*>(scale + kOutTile + h * 8);
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(s_bits));
+      const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(low_bits));
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_set1_ps(static_cast<float>(rows.sums[(r0 + r) * groups + g]));
+        acc[r][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dots[r][h]), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(low, sum, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(sums[r] + h * 8, acc[r][h]);
 #else
   for (int r = 0; r < R; ++r) {
     const int8_t* v = rows.v.data() + (r0 + r) * rows.k4;

@@ -30,6 +30,12 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define CACTUS_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define CACTUS_AVX2 1
+#if defined(__AVXVNNI__)
+#define CACTUS_AVX_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -40,9 +46,11 @@ constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded
 constexpr int kRowTile = 4;                   // input rows per pass over a tile (VNNI)
 constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padded to it)
 
-// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile.
+// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile, whose
+// code sums sum_k w[j, k] are `sums`.
 template <int R>
-void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[kOutTile]) {
+void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, const int32_t* sums,
+              int32_t (*dots)[kOutTile]) {
   const int64_t quads = k4 / 4;
 #ifdef CACTUS_VNNI
   __m512i acc[R][kBlocks];
@@ -62,7 +70,59 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < kBlocks; ++b) _mm512_storeu_si512(dots[r] + b * kLanes, acc[r][b]);
+  (void)sums;
+#elif defined(CACTUS_AVX2)
+  // Each 64-byte group is two halves of 8 outputs' 4 inputs. AVX-VNNI: vpdpbusd in 256 bits.
+  // AVX2 alone: with s = u - 128 (int8), sum_k u w = sum_k s w + 128 sum_k w, and the pairs
+  // s w are summed exactly in int16 by vpmaddubsw on |s| (<= 128, unsigned) against w carrying
+  // s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd.
+  constexpr int kHalves = 2 * kBlocks;
+  __m256i acc[R][kHalves];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < kHalves; ++h) acc[r][h] = _mm256_setzero_si256();
+#ifndef CACTUS_AVX_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
+  for (int64_t q = 0; q < quads; ++q) {
+    __m256i uv[R];
+#ifndef CACTUS_AVX_VNNI
+    __m256i magnitude[R];
+#endif
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, u + r * k4 + q * 4, 4);
+      uv[r] = _mm256_set1_epi32(four);
+#ifndef CACTUS_AVX_VNNI
+      uv[r] = _mm256_xor_si256(uv[r], flip);  // s = u - 128
+      magnitude[r] = _mm256_abs_epi8(uv[r]);  // |s|, read unsigned (|-128| is 0x80 = 128)
+#endif
+    }
+    for (int h = 0; h < kHalves; ++h) {
+      const auto* at = tile + ((h / 2) * quads + q) * 64 + (h % 2) * 32;
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+      for (int r = 0; r < R; ++r) {
+#ifdef CACTUS_AVX_VNNI
+        acc[r][h] = _mm256_dpbusd_avx_epi32(acc[r][h], uv[r], wv);
 #else
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(wv, uv[r]));
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones));
+#endif
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < kHalves; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots[r] + h * 8), acc[r][h]);
+#ifndef CACTUS_AVX_VNNI
+    for (int64_t j = 0; j < kOutTile; ++j) dots[r][j] += 128 * sums[j];
+#endif
+  }
+#ifdef CACTUS_AVX_VNNI
+  (void)sums;
+#endif
+#else
+  (void)sums;
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < kOutTile; ++j) {
       const int8_t* group = tile + (j / kLanes) * quads * 64 + (j % kLanes) * 4;
@@ -76,11 +136,12 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[
 #endif
 }
 
-void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
+void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile, const int32_t* sums,
               int32_t (*dots)[kOutTile]) {
-  using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t(*)[kOutTile]);
+  using Tile =
+      void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, int32_t(*)[kOutTile]);
   static constexpr Tile tiles[] = {dot_tile<1>, dot_tile<2>, dot_tile<3>, dot_tile<4>};
-  tiles[rows - 1](u, k4, tile, dots);
+  tiles[rows - 1](u, k4, tile, sums, dots);
 }
 
 int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
@@ -141,6 +202,8 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
     for (int64_t s = begin; s < end; ++s) {
       const int8_t* stripe = weight + s * kOutTile * rows.k4;
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
+      int32_t tile_sums[kOutTile] = {};  // the padding's outputs sum to 0
+      std::copy(sums + n0, sums + n0 + width, tile_sums);
       for (int64_t r0 = 0; r0 < m; r0 += step) {
         const int count = static_cast<int>(std::min<int64_t>(step, m - r0));
 #ifdef CACTUS_AMX
@@ -149,7 +212,7 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
           amx_stripe</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, rows.k4, weights, dots);
         }
 #endif
-        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
+        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, tile_sums, dots);
         for (int r = 0; r < count; ++r) {
           const float step_r = rows.step[r0 + r], mid = rows.mid[r0 + r];
           float* y_row = out + (r0 + r) * n + n0;
@@ -178,10 +241,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
-bool has_vnni() {
-#ifdef CACTUS_VNNI
-  return true;
+const char* int_simd() {
+#if defined(CACTUS_VNNI)
+  return "AVX512-VNNI";
+#elif defined(CACTUS_AVX_VNNI)
+  return "AVX-VNNI";
+#elif defined(CACTUS_AVX2)
+  return "AVX2";
 #else
-  return false;
+  return "portable C++";
 #endif
 }

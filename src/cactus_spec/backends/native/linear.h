@@ -33,7 +33,9 @@ torch::Tensor pack_int8(const torch::Tensor& w);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scale, const torch::Tensor& code_sums,
                           const c10::optional<torch::Tensor>& bias);
-bool has_vnni();
+// The instructions the int8 and int4 products were compiled for: "AVX512-VNNI", "AVX-VNNI",
+// "AVX2" or "portable C++" (one row; blocks of rows take AMX tiles where has_amx()).
+const char* int_simd();
 
 // Input rows quantised to int8 codes symmetrically, each on its own range, x[r] ~ step[r] v,
 // with each group of 64 codes' sum (int4_linear.cpp).
