@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     from cactus_spec import isa
+    from cactus_spec.bench.provenance import cpu_name
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def main() -> None:
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{level}: done", flush=True)
-    cpu = _cpu_name()
+    cpu = cpu_name()
     (out / "results.json").write_text(json.dumps({"cpu": cpu, "runs": runs}, indent=1))
     (out / "summary.md").write_text(_summary(cpu, runs))
     print(_summary(cpu, runs))
@@ -139,13 +139,6 @@ def _summary(cpu: str, runs: list[dict]) -> str:
 
 def _kernels(runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["kernel"] for run in runs for r in run["results"]))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import jsonschema_rs
 import openai
 
 from cactus_spec import isa
+from cactus_spec.bench.provenance import cpu_name
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -102,12 +102,7 @@ def _summary(rows: list[dict]) -> str:
 
 def _machine() -> str:
     """The CPU's name and the instruction set the run was held to (``isa``)."""
-    names = [
-        x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
-    ]
-    cpu = names[0].split(":", 1)[1].strip() if names else platform.machine()
-    level = isa.chosen()
-    return f"{cpu}, {(isa.available() or [level])[0] if level == 'native' else level}"
+    return f"{cpu_name()}, {isa.level()}"
 
 
 if __name__ == "__main__":

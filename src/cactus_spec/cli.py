@@ -614,9 +614,8 @@ def _kernels_line(verifier, draft) -> str:
         kind = model.quant if model.quant in ("int8", "int4") else "bfloat16"
         dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
         used[role] = kernels[kind] if kind != "bfloat16" or dtype == kind else f"{dtype}, torch"
-    level = isa.chosen()
-    own = (isa.available() or ["the CPU's own"])[0]
-    cpu = f"{own} (the CPU's own)" if level == "native" else f"{level} (CACTUS_SPEC_ISA)"
+    held = "the CPU's own" if isa.chosen() == "native" else "CACTUS_SPEC_ISA"
+    cpu = f"{isa.level()} ({held})"
     return f"instruction set: {cpu}; verifier: {used['verifier']}; draft: {used['draft']}"
 
 

@@ -89,18 +89,24 @@ def chosen() -> str:
     return name
 
 
+def level() -> str:
+    """The level this process runs at by name: the chosen one, or for ``native`` the highest
+    the CPU has (``native`` itself off x86)."""
+    name = chosen()
+    return (available() or [name])[0] if name == "native" else name
+
+
 def allows(flag: str) -> bool:
     """Whether code of this process may use the CPU feature ``flag`` (a /proc/cpuinfo name):
     the CPU has it and the chosen level includes it."""
     if flag not in cpu_flags():
         return False
     level = chosen()
-    if level == "native":
+    if level in ("native", "amx"):
         return True
-    included = {f for isa in ISAS[ISAS.index(level) :] for f in NEEDS[isa]}
-    if level in ("amx", "avx512"):  # these include whatever AVX512 the CPU has
-        return not flag.startswith("amx") or level == "amx"
-    return flag in included
+    if level == "avx512":  # whatever AVX512 the CPU has, no AMX
+        return not flag.startswith("amx")
+    return flag in {f for isa in ISAS[ISAS.index(level) :] for f in NEEDS[isa]}
 
 
 def hold_torch() -> None:

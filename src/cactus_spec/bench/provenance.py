@@ -32,7 +32,8 @@ def model_identity(loaded: LoadedModel | None) -> dict | None:
     return found
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -51,8 +52,8 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "isa": isa.chosen(),
+        "cpu": cpu_name(),
+        "isa": isa.level(),
         "accelerator": accelerator,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

@@ -197,6 +197,17 @@ class Generation:
             self.error = err
         self.done = True
 
+    def own(self, work: Callable, *args):
+        """``work(*args)``, this row's own work, or None once the row has failed: an exception
+        fails this row only (``fail``)."""
+        if self.error is not None:
+            return None
+        try:
+            return work(*args)
+        except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
+            self.fail(err)
+            return None
+
     @property
     def new_ids(self) -> list[int]:
         return self.context[self.prompt_len :]
@@ -208,12 +219,8 @@ class Generation:
         The drafter and the verifier both call this, so p and q of a position are processed
         alike. An error of the penalties or the grammar fails this row only (``fail``) and
         its row gets the unprocessed logits' distribution, which nothing emits."""
-        if self.error is None:
-            try:
-                logits = self._penalised_and_masked(logits, drafts)
-            except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
-                self.fail(err)
-        return logits_to_probs(logits, self.sampling)
+        processed = self.own(self._penalised_and_masked, logits, drafts)
+        return logits_to_probs(logits if processed is None else processed, self.sampling)
 
     def _penalised_and_masked(self, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
         if self.penalties is not None:
@@ -237,13 +244,7 @@ class Generation:
     def allowed(self, drafts: Sequence[int]) -> torch.Tensor | None:
         """[V] bool: the tokens the grammar allows after the output and ``drafts``; None
         without a grammar, or once the row has failed (an error here fails it)."""
-        if self.constraint is None or self.error is not None:
-            return None
-        try:
-            return self.constraint.mask(drafts)
-        except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
-            self.fail(err)
-            return None
+        return None if self.constraint is None else self.own(self.constraint.mask, drafts)
 
     @property
     def processes_drafts(self) -> bool:

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cactus_spec.core.checks import check_int
+
 #: What a grammar may be written in.
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 
@@ -58,9 +60,7 @@ class GrammarLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_symbols", "step_fuel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"grammar limit {name} must be an integer >= 1, got {value!r}")
+            check_int(f"grammar limit {name}", getattr(self, name))
 
     def parser_limits(self) -> Any:
         """The limits as llguidance's, its errors kept free of the grammar's text."""

@@ -182,7 +182,7 @@ class Stepper:
         rows = zip(generations, drafts, qs, kept, strict=True)
         for g, draft, q, length in rows:
             g.stats.time_verify_s += verify_s
-            count, accepted = _own(g, _keep, self.verifier, g, draft, q, length, trees) or (0, 0)
+            count, accepted = g.own(_keep, self.verifier, g, draft, q, length, trees) or (0, 0)
             accepted_counts.append(accepted)
             if g.error is not None:
                 self.verifier.rollback(length, g.row)  # what this iteration fed is dropped
@@ -232,7 +232,7 @@ class Stepper:
             if k > 0:
                 g.stats.time_draft_s += elapsed
             proposal = next(proposed) if k > 0 else Draft([], None)
-            drafts.append(_own(g, _admitted, g, proposal) or Draft([], None))
+            drafts.append(g.own(_admitted, g, proposal) or Draft([], None))
         return drafts, max(len(d.tokens) for d in drafts), elapsed, caught_up
 
     def _read(
@@ -341,18 +341,6 @@ def _keep(
     if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
         _meter(g, draft, q, targets, path, count)
     return count, accepted
-
-
-def _own(g: Generation, work: Callable, *args):
-    """``work(*args)``, the row's own, or None once the row has failed: an exception fails
-    that row only (``Generation.fail``)."""
-    if g.error is not None:
-        return None
-    try:
-        return work(*args)
-    except Exception as err:  # noqa: BLE001 - the row's own: it ends the row alone
-        g.fail(err)
-        return None
 
 
 def _tokens(g: Generation, draft: Draft, q: Tensor) -> tuple[list[int], list[int]]:

@@ -224,10 +224,6 @@ class _Handler:
             message = f"n: {len(prompts) * body.n} choices exceed the server's queue (--max-queue)"
             raise APIError(400, message, "n")
         grammar = body.grammar(self.tool_markers)
-        if grammar is not None and body.ignore_eos:
-            param = _grammar_param(body)
-            message = f"{param}: ignore_eos cannot be used with a grammar, which ends at EOS"
-            raise APIError(400, message, param)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         logprobs, stops = body.logprob_count(), body.stops()
         penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
@@ -312,7 +308,7 @@ class _Handler:
         if grammar is None:
             return
         try:
-            await asyncio.to_thread(self.engine.check_grammar, grammar)
+            await asyncio.to_thread(self.engine.check_grammar, grammar, body.ignore_eos)
         except ValueError as err:
             param = _grammar_param(body)
             raise APIError(400, f"{param}: {row_error_message(err)}", param) from None

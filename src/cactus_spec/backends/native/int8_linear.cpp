@@ -40,17 +40,28 @@
 
 namespace {
 
+// Whether dot_tile's sums are centred, sum_k (u - 128) w (AVX2 without VNNI), rather than
+// sum_k u w. A build for AVX2 has no AMX, so every sum of such a build is centred.
+#if defined(CACTUS_AVX2) && !defined(CACTUS_AVX_VNNI)
+constexpr bool kCentredDots = true;
+#else
+constexpr bool kCentredDots = false;
+#endif
+
+}  // namespace
+
+namespace {
+
 constexpr int64_t kLanes = 16;                // outputs per 64-byte packed group
 constexpr int kBlocks = 4;                    // packed groups of outputs per tile
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
 constexpr int kRowTile = 4;                   // input rows per pass over a tile (VNNI)
 constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padded to it)
 
-// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile, whose
-// code sums sum_k w[j, k] are `sums`.
+// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile (centred,
+// sum_k (u[r, k] - 128) w[j, k], where kCentredDots).
 template <int R>
-void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, const int32_t* sums,
-              int32_t (*dots)[kOutTile]) {
+void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[kOutTile]) {
   const int64_t quads = k4 / 4;
 #ifdef CACTUS_VNNI
   __m512i acc[R][kBlocks];
@@ -70,12 +81,12 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, const int32_t* s
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < kBlocks; ++b) _mm512_storeu_si512(dots[r] + b * kLanes, acc[r][b]);
-  (void)sums;
 #elif defined(CACTUS_AVX2)
   // Each 64-byte group is two halves of 8 outputs' 4 inputs. AVX-VNNI: vpdpbusd in 256 bits.
   // AVX2 alone: with s = u - 128 (int8), sum_k u w = sum_k s w + 128 sum_k w, and the pairs
   // s w are summed exactly in int16 by vpmaddubsw on |s| (<= 128, unsigned) against w carrying
-  // s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd.
+  // s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd: the centred sums
+  // the caller would otherwise form from sum_k u w.
   constexpr int kHalves = 2 * kBlocks;
   __m256i acc[R][kHalves];
   for (int r = 0; r < R; ++r)
@@ -111,18 +122,10 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, const int32_t* s
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r)
     for (int h = 0; h < kHalves; ++h)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots[r] + h * 8), acc[r][h]);
-#ifndef CACTUS_AVX_VNNI
-    for (int64_t j = 0; j < kOutTile; ++j) dots[r][j] += 128 * sums[j];
-#endif
-  }
-#ifdef CACTUS_AVX_VNNI
-  (void)sums;
-#endif
 #else
-  (void)sums;
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < kOutTile; ++j) {
       const int8_t* group = tile + (j / kLanes) * quads * 64 + (j % kLanes) * 4;
@@ -136,12 +139,11 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, const int32_t* s
 #endif
 }
 
-void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile, const int32_t* sums,
+void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
               int32_t (*dots)[kOutTile]) {
-  using Tile =
-      void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, int32_t(*)[kOutTile]);
+  using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t(*)[kOutTile]);
   static constexpr Tile tiles[] = {dot_tile<1>, dot_tile<2>, dot_tile<3>, dot_tile<4>};
-  tiles[rows - 1](u, k4, tile, sums, dots);
+  tiles[rows - 1](u, k4, tile, dots);
 }
 
 int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
@@ -202,8 +204,6 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
     for (int64_t s = begin; s < end; ++s) {
       const int8_t* stripe = weight + s * kOutTile * rows.k4;
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      int32_t tile_sums[kOutTile] = {};  // the padding's outputs sum to 0
-      std::copy(sums + n0, sums + n0 + width, tile_sums);
       for (int64_t r0 = 0; r0 < m; r0 += step) {
         const int count = static_cast<int>(std::min<int64_t>(step, m - r0));
 #ifdef CACTUS_AMX
@@ -212,12 +212,12 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
           amx_stripe</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, rows.k4, weights, dots);
         }
 #endif
-        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, tile_sums, dots);
+        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
         for (int r = 0; r < count; ++r) {
           const float step_r = rows.step[r0 + r], mid = rows.mid[r0 + r];
           float* y_row = out + (r0 + r) * n + n0;
           for (int64_t j = 0; j < width; ++j) {
-            const int32_t centred = dots[r][j] - 128 * sums[n0 + j];
+            const int32_t centred = kCentredDots ? dots[r][j] : dots[r][j] - 128 * sums[n0 + j];
             y_row[j] = sc[n0 + j] * (step_r * centred + mid * sums[n0 + j]) + (b ? b[n0 + j] : 0.0f);
           }
         }
