@@ -621,7 +621,7 @@ def _kernels_line(verifier, draft) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.app import SHUTDOWN_GRACE_S, ServerConfig, create_app
-    from cactus_spec.server.run import HEADER_TIMEOUT_S, serve, start_scheduler
+    from cactus_spec.server.run import HEADER_TIMEOUT_S, make_scheduler, serve
 
     spec = _spec(args)
     _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "prefill_chunk"))
@@ -656,7 +656,7 @@ def run_serve(args: argparse.Namespace) -> int:
         prefix_cache=args.prefix_cache,
         grammar_limits=grammar_limits,
     )
-    scheduler = start_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
+    scheduler = make_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
     model_id = args.served_model_name or args.verifier or DEFAULT_PAIR[0]
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own
@@ -664,10 +664,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id, args.api_key, args.default_max_tokens, chat_template=template, **given
     )
     app = create_app(scheduler, config)
-    try:
-        serve(app, args.host, args.port, app.state.drain, grace, header_timeout)
-    finally:
-        scheduler.stop()
+    serve(app, scheduler, args.host, args.port, app.state.drain, grace, header_timeout)
     return 0
 
 

@@ -6,12 +6,14 @@ between iterations (continuous batching), and each result is handed to ``on_resu
 soon as it exists, so a caller can record it before the rest are done (resumable runs).
 A row's law is its own (its spec, sampling and seed), whatever its neighbours are. Every
 prompt is queued before the scheduler starts, so the first iteration holds the first
-``max_batch`` of them, whatever the threads' timing. The engine's ``decode_many`` checks the
+``max_batch`` of them. The loop runs on the calling thread, the one that loaded the models
+(``scheduler``: torch's OpenMP workers spin for it alone). The engine's ``decode_many`` checks the
 prompts and calls this.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,22 +57,21 @@ def decode_all(
     results: list[GenerationResult | None] = [None] * len(prompts)
     failures: list[BaseException] = []
     row_errors: list[RowError] = []
-    all_done = threading.Event()
     remaining = [len(prompts)]
 
     def finished() -> None:
         remaining[0] -= 1
         if remaining[0] == 0:
-            all_done.set()
+            scheduler.stop()
 
     def done(index: int, result: GenerationResult) -> None:
         results[index] = result
         try:
             if on_result is not None:
                 on_result(index, result)
-        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as err:  # noqa: BLE001 - raised once the loop has stopped
             failures.append(err)
-            all_done.set()
+            scheduler.stop()
         finished()
 
     def failed(index: int, err: BaseException) -> None:
@@ -80,18 +81,33 @@ def decode_all(
     scheduler = Scheduler(engine, max_queue=max(1, len(prompts)), policy=policy)
     for index, prompt in enumerate(prompts):
         scheduler.submit(_request(prompt, sampling, spec, index, done, failed))
-    scheduler.start()
-    try:
-        if prompts:
-            while not all_done.wait(0.2):  # a timed wait, so Ctrl-C reaches this thread
-                pass
-    finally:
-        scheduler.stop()
+    if prompts and _run_here(scheduler):
+        raise KeyboardInterrupt
     if failures:
         raise failures[0]
     if row_errors:
         raise min(row_errors, key=lambda e: e.index)
-    return results  # type: ignore[return-value]  # every slot is filled once all_done
+    return results  # type: ignore[return-value]  # every slot is filled: all finished
+
+
+def _run_here(scheduler: Scheduler) -> bool:
+    """Run ``scheduler``'s loop on this thread until it stops; on the main thread Ctrl-C stops
+    it after the current iteration. Whether Ctrl-C did."""
+    if threading.current_thread() is not threading.main_thread():
+        scheduler.run()
+        return False
+    interrupted: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+        scheduler.stop()
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        scheduler.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return bool(interrupted)
 
 
 class RowError(ValueError):

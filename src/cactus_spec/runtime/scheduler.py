@@ -1,14 +1,21 @@
 """Continuous batching: requests join and leave between iterations of one decode loop.
 
-One thread owns the models. Each turn of its loop it admits waiting requests into free rows
-(each into the free row that holds the longest prefix of its prompt: prefix caching), drops
-cancelled ones, reads up to ``prefill_chunk`` prompt tokens per token each row verified in
-the last iteration, of the rows still reading their prompts (oldest first, in one batched
-forward where padding allows; everything at once when no row is decoding: chunked prefill),
-asks the policy for K, runs one stepper iteration over every row that has read its prompt,
-and hands finished generations back. So a long prompt arriving costs each running row at most
-one chunk's forward per iteration, not the whole prompt's. A bounded queue gives
-backpressure: ``submit`` raises ``QueueFullError`` when it is full.
+One thread owns the models, best the one that loaded them (``run`` the loop on it; ``start``
+runs it on a thread of its own, for tests and embedding). torch's OpenMP runtime keeps a
+team of workers for each thread that ran a parallel region; once they outnumber the CPUs,
+they sleep between regions instead of spinning, and every kernel pays a wake-up: a decode
+thread beside the loading thread's idle team ran the default pair about 10 ms a token slower
+on 2 cores (``benchmarks/REPORT.md``).
+
+Each turn of its loop it admits waiting requests into free rows (each into the free row that
+holds the longest prefix of its prompt: prefix caching), drops cancelled ones, reads up to
+``prefill_chunk`` prompt tokens per token each row verified in the last iteration, of the
+rows still reading their prompts (oldest first, in one batched forward where padding allows;
+everything at once when no row is decoding: chunked prefill), asks the policy for K, runs
+one stepper iteration over every row that has read its prompt, and hands finished
+generations back. So a long prompt arriving costs each running row at most one chunk's
+forward per iteration, not the whole prompt's. A bounded queue gives backpressure:
+``submit`` raises ``QueueFullError`` when it is full.
 
 Callbacks (``on_text``, ``on_done``, ``on_error``) run on the scheduler's thread: they must
 be quick and must not block (the server hands them to its event loop).
@@ -171,14 +178,21 @@ class Scheduler:
         return len(self._active)
 
     def start(self) -> None:
+        """Run the loop on a thread of its own."""
         self._thread.start()
 
+    def run(self) -> None:
+        """Run the loop on the calling thread until ``stop``."""
+        self._loop()
+
     def stop(self) -> None:
-        """Finish the current iteration, then stop; waiting requests are dropped."""
+        """Finish the current iteration, then stop (waiting requests are dropped); from
+        another thread, wait for the loop to end."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def submit(self, request: Request) -> None:
         """Queue ``request``; QueueFullError when ``max_queue`` requests wait already."""

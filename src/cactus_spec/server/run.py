@@ -1,5 +1,6 @@
 """Starting the server: the engine's scheduler and policy, and uvicorn, in the foreground
-(``serve``: draining on SIGTERM) or on a thread (``BackgroundServer``).
+(``serve``: decoding on the calling thread, uvicorn on another, draining on SIGTERM) or on
+threads (``start_scheduler``, ``BackgroundServer``).
 
 Both run uvicorn's h11 protocol with a deadline on each request's head (``_HeadTimeout``):
 uvicorn itself waits forever for headers, so a client that sends half a head holds a socket.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import signal
 import socket
 import sys
 import threading
@@ -26,14 +28,14 @@ from cactus_spec.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from cactus_spec.server.protocol import APIError
 
 
-def start_scheduler(
+def make_scheduler(
     engine: SpeculativeDecoder,
     policy: str = "auto",
     max_queue: int = 64,
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> Scheduler:
-    """A started scheduler over ``engine`` reading up to ``prefill_chunk`` prompt tokens per
-    iteration; ``policy`` auto times the models first."""
+    """A scheduler over ``engine`` reading up to ``prefill_chunk`` prompt tokens per
+    iteration, not yet running; ``policy`` auto times the models first (on this thread)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     check_int("max_queue", max_queue)
@@ -41,7 +43,17 @@ def start_scheduler(
     if policy == "auto" and engine.spec.drafts:
         print("timing the models for the speculation policy …", file=sys.stderr)
         chosen = engine.calibrated_policy()
-    scheduler = Scheduler(engine, max_queue, chosen, prefill_chunk)
+    return Scheduler(engine, max_queue, chosen, prefill_chunk)
+
+
+def start_scheduler(
+    engine: SpeculativeDecoder,
+    policy: str = "auto",
+    max_queue: int = 64,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> Scheduler:
+    """``make_scheduler``'s scheduler, started on a thread of its own."""
+    scheduler = make_scheduler(engine, policy, max_queue, prefill_chunk)
     scheduler.start()
     return scheduler
 
@@ -107,16 +119,44 @@ def _config(app, host: str, port: int, header_timeout_s: float) -> uvicorn.Confi
 
 def serve(
     app,
+    scheduler: Scheduler,
     host: str,
     port: int,
     drain: Callable[[float], Awaitable[None]],
     shutdown_grace_s: float,
     header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> None:
-    """Serve ``app`` until a signal. The first SIGTERM or SIGINT calls ``drain(grace)`` (the
-    app stops admitting, lets in-flight requests run up to the grace, ends the rest with a
-    final event), then uvicorn shuts down; a second signal exits at once."""
-    _DrainingServer(_config(app, host, port, header_timeout_s), drain, shutdown_grace_s).run()
+    """Serve ``app`` until a signal, running ``scheduler``'s loop on this thread (the one
+    that loaded the models: ``runtime.scheduler`` says why) and uvicorn on another. The first
+    SIGTERM or SIGINT calls ``drain(grace)`` (the app stops admitting, lets in-flight
+    requests run up to the grace, ends the rest with a final event), then uvicorn shuts down
+    and the loop stops; a second signal exits at once. uvicorn's own exit status (1 when it
+    cannot bind) is raised as SystemExit."""
+    server = _DrainingServer(_config(app, host, port, header_timeout_s), drain, shutdown_grace_s)
+    status: list[int] = []
+
+    def run_uvicorn() -> None:
+        try:
+            server.run()
+        except SystemExit as err:
+            status.append(err.code if isinstance(err.code, int) else 1)
+        finally:
+            scheduler.stop()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in signals}
+    thread = threading.Thread(target=run_uvicorn, name="uvicorn")
+    try:
+        thread.start()
+        scheduler.run()
+    finally:
+        if thread.is_alive():  # the loop failed: no one would answer uvicorn's requests
+            server.should_exit = server.force_exit = True
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if status and status[0]:
+        raise SystemExit(status[0])
 
 
 class _DrainingServer(uvicorn.Server):
