@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -263,29 +264,76 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def _write_dense(gguf: Path, out: Path) -> None:
-    """Load the GGUF through transformers (dequantised) and save a plain dense copy."""
+    """Load the GGUF through transformers (dequantised) and save a plain dense copy, with
+    one progress bar of its own (``_conversion_bar``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     kw = {"gguf_file": gguf.name, "local_files_only": True}
-    try:
-        quantised = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            dtype=torch.bfloat16,
-            quantization_config=GgufConfig(dequantize=True),  # dense weights, never blocks
-            **kw,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    except (ValueError, OSError, KeyError, RuntimeError) as err:
-        raise CorruptModelError(f"{gguf} could not be converted: {err}") from err
-    config = copy.deepcopy(quantised.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    dense.load_state_dict(quantised.state_dict())
-    del quantised
-    dense.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with _conversion_bar(gguf.name) as stage:
+        try:
+            quantised = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                dtype=torch.bfloat16,
+                quantization_config=GgufConfig(dequantize=True),  # dense weights, never blocks
+                **kw,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        except (ValueError, OSError, KeyError, RuntimeError) as err:
+            raise CorruptModelError(f"{gguf} could not be converted: {err}") from err
+        stage("building the dense model")
+        config = copy.deepcopy(quantised.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        dense.load_state_dict(quantised.state_dict())
+        del quantised
+        stage("saving")
+        dense.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        stage("done")
+
+
+#: Stages of a conversion after the GGUF's tensors are read: building the model, saving it.
+_LATER_STEPS = 2
+
+
+@contextlib.contextmanager
+def _conversion_bar(name: str) -> Iterator[Callable[[str], None]]:
+    """One progress bar on stderr for converting ``name``: one step per GGUF tensor read
+    (transformers' reader loop advances it), then one per later stage: ``stage(label)``
+    names the stage now running and counts the one before it as done. transformers' own
+    bars (its reader's, its loading stages') are silenced meanwhile."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"converting {name}: reading tensors", total=None)
+
+        def tensors(items, **_ignored) -> Iterator:
+            bar.update(task, total=len(items) + _LATER_STEPS)
+            for item in items:
+                yield item
+                bar.advance(task)
+
+        stages = [0]
+
+        def stage(label: str) -> None:
+            bar.update(task, description=f"converting {name}: {label}", advance=min(stages[0], 1))
+            stages[0] += 1
+
+        reader_bar, bars_on = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+        gguf_utils.tqdm = tensors
+        hf_logging.disable_progress_bar()
+        try:
+            yield stage
+        finally:
+            gguf_utils.tqdm = reader_bar
+            if bars_on:
+                hf_logging.enable_progress_bar()
 
 
 def _write_completion_record(directory: Path) -> dict[str, str]:
