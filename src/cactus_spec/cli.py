@@ -24,7 +24,7 @@ from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
-from cactus_spec.core.spec import DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
+from cactus_spec.core.spec import AUTO_K, DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
 from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.grammar import GrammarLimits
@@ -103,8 +103,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     _add_method_args(
         p,
-        f"K, tokens drafted per iteration (default {DEFAULT_NUM_DRAFT_TOKENS}), or auto: "
-        "chosen each iteration from measured costs and the draft's confidence",
+        "K, tokens drafted per iteration, or auto: chosen each iteration from the models' "
+        f"measured costs and the draft's confidence, up to {DEFAULT_NUM_DRAFT_TOKENS} "
+        f"(default auto with a draft model, else {DEFAULT_NUM_DRAFT_TOKENS})",
     )
     _add_model_args(p)
     _add_sampling_args(p)
@@ -316,7 +317,13 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="AR vs SpS vs Cactus(delta=1) on the default pair")
     _add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="K")
+    demo.add_argument(
+        "--num-draft-tokens",
+        type=_k_value,
+        default=AUTO_K,
+        help=f"K, or auto (default): the policy's K each iteration, up to "
+        f"{DEFAULT_NUM_DRAFT_TOKENS}",
+    )
     _add_bench(sub)
     _add_serve(sub)
     lm_eval = sub.add_parser(
@@ -381,6 +388,15 @@ def _spec(args: argparse.Namespace) -> DecodeSpec:
     return parse_spec({"method": args.method, **given}, label=_flag)
 
 
+def _k_left_open(args: argparse.Namespace, spec: DecodeSpec) -> DecodeSpec:
+    """``spec`` with K auto where a draft model drafts and --num-draft-tokens is not given:
+    a fixed K loses to the verifier alone where a verification block costs too much (an
+    11-token block is about 5 AR steps on AVX2), the policy's K does not."""
+    if args.num_draft_tokens is None and spec.drafts and spec.drafter == "model":
+        return spec.with_num_draft_tokens(None)
+    return spec
+
+
 def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_tokens",)) -> None:
     """ValueError naming the first of ``flags`` below 1."""
     for flag in flags:
@@ -436,7 +452,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from cactus_spec.runtime.logprobs import check_logprobs
 
     # Cheap checks first, so a typo fails before any model loads.
-    spec = _spec(args)
+    spec = _k_left_open(args, _spec(args))
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p)
     penalties = _penalties(args)
     check_logprobs(args.logprobs, "--logprobs")
@@ -559,7 +575,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from cactus_spec.loading.models import load_model
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
-    _check_counts(args, ("max_new_tokens", "num_draft_tokens"))
+    _check_counts(args)
+    given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
+    k = parse_spec(given, label=_flag).num_draft_tokens  # None: auto
     _check_model_args(args)
     verifier_src, draft_src = _model_sources(args, needs_draft=True)
     pair = "the default pair" if (verifier_src, draft_src) == DEFAULT_PAIR else "the models"
@@ -568,34 +586,36 @@ def run_demo(args: argparse.Namespace) -> int:
     verifier = load_model(verifier_src, **options, quant=args.verifier_quant)
     draft = load_model(draft_src, **options, quant=args.draft_quant, head_vocab=args.draft_vocab)
     stderr.print(_kernels_line(verifier, draft))
-    k = args.num_draft_tokens
     runs = [
-        ("AR (verifier alone)", None, DecodeSpec.of("ar")),
-        ("SpS", draft, DecodeSpec.of("sps", num_draft_tokens=k)),
-        ("Cactus (delta=1)", draft, DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=k)),
+        ("AR (verifier alone)", DecodeSpec.of("ar")),
+        ("SpS", DecodeSpec.of("sps", num_draft_tokens=k)),
+        ("Cactus (delta=1)", DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=k)),
     ]
+    shown_k = f"K={k}" if k else f"K auto (up to {DEFAULT_NUM_DRAFT_TOKENS})"
     table = Table(
-        title=f"demo: {args.max_new_tokens} new tokens, K={args.num_draft_tokens}, "
+        title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
         f"temperature {_SAMPLING.temperature}, top-p {_SAMPLING.top_p}, top-k {_SAMPLING.top_k}"
     )
-    for column in ("method", "tokens/s", "speedup vs AR", "mean accepted", "KL nats/token"):
-        table.add_column(column, justify="left" if column == "method" else "right")
+    columns = ("tokens/s", "vs AR", "drafted/it", "accepted/it", "KL nats/tok")
+    table.add_column("method", no_wrap=True)
+    for column in columns:
+        table.add_column(column, justify="right")
+    decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=args.backend)
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
-    backend = args.backend
-    SpeculativeDecoder(verifier, draft, runs[1][2], backend=backend).generate(DEMO_PROMPT, 2)
+    decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models
     baseline = None
-    for name, draft_model, spec in runs:
+    for name, spec in runs:
         stderr.print(f"running {name} …")
-        decoder = SpeculativeDecoder(verifier, draft_model, spec, backend=backend)
-        result = decoder.generate(DEMO_PROMPT, args.max_new_tokens, seed=0)
+        result = decoder.generate(DEMO_PROMPT, args.max_new_tokens, seed=0, spec=spec)
         s = result.stats
         baseline = baseline or s.tokens_per_s
-        accepted = f"{s.mean_accepted:.2f}" if draft_model is not None else "-"
+        drafted = f"{s.drafted / s.iterations:.2f}" if spec.drafts else "-"
         table.add_row(
             name,
             f"{s.tokens_per_s:.2f}",
             f"{s.tokens_per_s / baseline:.2f}x",
-            accepted,
+            drafted,
+            f"{s.mean_accepted:.2f}" if spec.drafts else "-",
             f"{s.kl_nats_per_token:.4f}",
         )
     Console().print(table)
