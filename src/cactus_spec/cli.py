@@ -596,7 +596,7 @@ def run_demo(args: argparse.Namespace) -> int:
         title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
         f"temperature {_SAMPLING.temperature}, top-p {_SAMPLING.top_p}, top-k {_SAMPLING.top_k}"
     )
-    columns = ("tokens/s", "vs AR", "drafted/it", "accepted/it", "KL nats/tok")
+    columns = ("tokens/s", "vs AR", "drafted/it", "kept/it", "KL nats/tok")
     table.add_column("method", no_wrap=True)
     for column in columns:
         table.add_column(column, justify="right")
