@@ -53,7 +53,9 @@ MIN_REQUESTS = 4
 REQUESTS_PER_CLIENT = 2
 
 
-def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, seed: int) -> dict:
+def one_request(
+    client, model: str, prompt: str, spec: dict, max_tokens: int, seed: int | None
+) -> dict:
     """Stream one chat completion; its timings and usage."""
     sent = time.perf_counter()
     stamps = []
@@ -95,7 +97,10 @@ def one_request(client, model: str, prompt: str, spec: dict, max_tokens: int, se
 def run_config(client, model, prompts, spec, concurrency, max_tokens) -> dict:
     """``concurrency`` clients, each sending its share of the requests one after another."""
     count = max(REQUESTS_PER_CLIENT * concurrency, MIN_REQUESTS)
-    jobs = [(prompts[i % len(prompts)], i) for i in range(count)]
+    # a seeded request that leaves K open decodes at the server's K (so that it reproduces):
+    # the policy's rows go unseeded
+    seeded = spec["method"] == "ar" or "num_draft_tokens" in spec
+    jobs = [(prompts[i % len(prompts)], i if seeded else None) for i in range(count)]
     shares = [jobs[c::concurrency] for c in range(concurrency)]
     results: list[dict] = []
     lock = threading.Lock()

@@ -20,6 +20,7 @@ from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.grammar import Constraint
 from cactus_spec.runtime.logprobs import TokenLogprob, token_logprobs
+from cactus_spec.runtime.verifications import Verification, verification_of
 
 
 @dataclass
@@ -143,7 +144,8 @@ def row_error_message(err: BaseException) -> str:
 
 class Generation:
     """The state of one sequence being decoded in row ``row`` of the caches, by ``spec``
-    (its method and K; K None leaves it to the caller's policy)."""
+    (its method and K; K None leaves it to the caller's policy), its drafts judged by the
+    kind ``verification`` declares for the row (``verifications``)."""
 
     def __init__(
         self,
@@ -172,6 +174,7 @@ class Generation:
         self.sampling = sampling
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.spec = spec
+        self.verification: Verification = verification_of(spec, sampling)  # its kind, once
         self.eos = eos_ids
         self.tokenizer = tokenizer
         self.stop = list(stop or [])

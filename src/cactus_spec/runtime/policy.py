@@ -186,9 +186,9 @@ class SpeculationPolicy:
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
         pool = self.pool_chances()
         chances = [self.chances(g, pool) for g in auto]
-        widths = [g.spec.branches for g in auto]
-        fixed_tokens = sum(_fixed_k(g) * g.spec.branches + 1 for g in fixed)
-        rows = sum(widths) + sum(g.spec.branches for g in fixed)  # rows of one draft step
+        widths = [g.verification.branches for g in auto]
+        fixed_tokens = sum(_fixed_k(g) * g.verification.branches + 1 for g in fixed)
+        rows = sum(widths) + sum(g.verification.branches for g in fixed)  # rows of one draft step
 
         lag = sum(n for n in lags if n > _STEADY_LAG)
         catch_up = lag * self.catch_up_token_s

@@ -47,16 +47,12 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.core.audit import kl, step_divergences
-from cactus_spec.core.block_verification import verify_block
-from cactus_spec.core.rules import draft_row
 from cactus_spec.core.sampling import draw
-from cactus_spec.core.traversal_verification import verify_traversal
-from cactus_spec.core.tree_verification import ROOT, judged_rows, verify_tree
-from cactus_spec.core.verification import verify
+from cactus_spec.core.tree_verification import ROOT
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
+from cactus_spec.runtime.verifications import path_rows
 
 #: A row's stopping rule within an iteration: given the draft's probability of each token it
 #: drew so far, whether to draw another.
@@ -170,7 +166,8 @@ class Stepper:
         )
         feeds = [[g.context[-1], *d.tokens] for g, d in zip(generations, drafts, strict=True)]
         kept = [self.verifier.length_of(g.row) for g in generations]
-        trees = any(d.parents is not None for d in drafts)
+        pairs = list(zip(generations, drafts, strict=True))
+        trees = any(g.verification.trees and d.tokens for g, d in pairs)  # a tree-shaped read
         start = time.perf_counter()
         logits = self._read(feeds, drafts, [g.row for g in generations], trees)  # [K_b+1, V]
         verify_s = self._elapsed(start)
@@ -188,7 +185,7 @@ class Stepper:
                 self.verifier.rollback(length, g.row)  # what this iteration fed is dropped
             emitted += count
         verified = sum(len(f) for f in feeds)
-        confidences = tuple(_confidences(d) for d in drafts)
+        confidences = tuple(_confidences(g, d) for g, d in pairs)
         return StepTiming(
             len(generations),
             draft_steps,
@@ -215,7 +212,7 @@ class Stepper:
                 g.generator,
                 g.process,
                 stop,
-                g.spec.branches,
+                g.verification.branches,
                 g.allowed,
             )
             for g, k, stop in zip(generations, counts, stops, strict=True)
@@ -250,10 +247,10 @@ class Stepper:
         return time.perf_counter() - start
 
 
-def _confidences(draft: Draft) -> tuple[float, ...]:
+def _confidences(g: Generation, draft: Draft) -> tuple[float, ...]:
     """The draft's probability of each token it drafted along a chain (1 for a deterministic
     drafter); none for a tree, whose nodes are not positions of one chain."""
-    if draft.parents is not None:
+    if g.verification.trees:
         return ()
     if draft.probs is None:
         return (1.0,) * len(draft.tokens)
@@ -276,7 +273,7 @@ def _verifier_rows(g: Generation, draft: Draft, logits: Tensor) -> Tensor:
     """q [K+1, V] of the verifier's logits after the row's last token and each draft: processed
     along the chain, or, for a tree under penalties or a grammar, each node after its own
     path."""
-    if draft.parents is None or not g.processes_drafts:
+    if not (g.verification.trees and draft.tokens and g.processes_drafts):
         return g.process(logits, draft.tokens)
     tree = draft.tree
     rows = [g.process(logits[:1], [])]
@@ -285,110 +282,30 @@ def _verifier_rows(g: Generation, draft: Draft, logits: Tensor) -> Tensor:
     return torch.cat(rows)
 
 
-def _path_rows(path: list[int]) -> list[int]:
-    """The fed positions of a tree's accepted path: the root (the last emitted token, fed
-    first) and node j at j + 1; the verifier's row after each is where a token was emitted."""
-    return [0, *(j + 1 for j in path)]
-
-
-def _emitted_rows(q: Tensor, draft: Draft, path: list[int]) -> Tensor:
-    """q's rows [>= len(path) + 1, V] the row's tokens were emitted at: a chain's first ones, a
-    tree's root and accepted nodes."""
-    if draft.parents is None:
-        return q
-    return q[torch.tensor(_path_rows(path), device=q.device)]
-
-
-def _block(g: Generation, draft: Draft) -> bool:
-    """Whether the row's drafts are block-verified: a block, or the chain of a traversal of
-    one branch (at temperature 0 every weight is 0 or 1: token verification runs the same
-    test)."""
-    judged = g.spec.verification in ("block", "traversal")
-    return bool(draft.tokens) and judged and draft.parents is None and not g.sampling.greedy
-
-
-def _judged_rows(g: Generation, draft: Draft, q: Tensor) -> Tensor:
-    """The rows [K+1, V] the row's drafts are judged against: q, except on blocks and trees
-    under a lossy rule, whose per-position targets replace q's drafted rows (the block or tree
-    emits them exactly, and the meter reads their divergence)."""
-    if g.spec.lossless or g.sampling.greedy or not draft.tokens:
-        return q
-    if draft.parents is not None:
-        return judged_rows(draft.tree, q, draft.probs, g.spec.rule)
-    if not _block(g, draft):
-        return q
-    k = len(draft.tokens)
-    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
-    targets = g.spec.rule.block_target(q[:k], ids, draft.probs)  # [K, V]; probs [K, V] or None
-    return torch.cat([targets, q[k:]])  # [K+1, V]
-
-
 def _keep(
     verifier: Backend, g: Generation, draft: Draft, q: Tensor, length: int, trees: bool
 ) -> tuple[int, int]:
-    """Judge the row's drafts against its judged rows, keep the accepted ones in the
+    """Judge the row's drafts by its kind (``g.verification``), keep the accepted ones in the
     verifier's cache, emit them with the row's own token and meter them: (tokens emitted,
-    drafts accepted)."""
-    targets = _judged_rows(g, draft, q)
-    tokens, path = _tokens(g, draft, targets)
+    drafts accepted). A lossy rule's drafts away from temperature 0 are judged against the
+    kind's judged rows (its targets on blocks and trees) and metered; the rest against q."""
+    kind = g.verification
+    metered = bool(draft.tokens) and not g.sampling.greedy and not g.spec.lossless
+    judged = kind.judged_rows(g.spec.rule, draft, q) if metered else q  # [K+1, V]
+    if draft.tokens:
+        tokens, path = kind.judge(g.spec.rule, draft, judged, g.generator, g.sampling.greedy)
+    else:
+        tokens, path = [draw(q[-1:], g.sampling.greedy, g.generator)], []
     accepted = len(tokens) - 1
     if trees:
-        verifier.commit_path(_path_rows(path), g.row)
+        verifier.commit_path(path_rows(path), g.row)
     else:
         verifier.rollback(length + 1 + accepted, g.row)
-    count = g.emit(tokens, _emitted_rows(q, draft, path))
+    count = g.emit(tokens, kind.emitted_rows(q, path) if draft.tokens else q)
     g.stats.record(draft.depth, accepted, count)
-    if draft.tokens and not g.sampling.greedy and not g.spec.lossless:
-        _meter(g, draft, q, targets, path, count)
-    return count, accepted
-
-
-def _tokens(g: Generation, draft: Draft, q: Tensor) -> tuple[list[int], list[int]]:
-    """The row's emitted tokens and the drafts they kept (a tree's accepted path): one draw
-    from its last row where nothing was drafted, else its kept drafts and the token of its
-    own, from ``verify`` (``verify_block``, ``verify_tree``: towards the judged rows) on that
-    row alone. (One call over rows
-    stacked to [B, K+1, V] copies every row's q and p first: at B = 8, K = 10 and the
-    default pair's 151,936 tokens that is ~100 MB a step, 34 ms against 3 ms for the loop,
-    ``benchmarks/verify_rows.py``.)"""
-    if not draft.tokens:
-        return [draw(q[-1:], g.sampling.greedy, g.generator)], []
-    if draft.parents is not None:
-        walk = verify_traversal if g.spec.verification == "traversal" else verify_tree
-        tree = walk(draft.tree, q, draft.probs, g.generator, g.sampling.greedy)
-        return tree.tokens, tree.path
-    ids = torch.tensor([draft.tokens], device=q.device)  # [1, K]
-    p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
-    if _block(g, draft):
-        result = verify_block(ids, q[None], p, g.generator, False)  # SpS towards q's rows
-    else:
-        result = verify(
-            ids, q[None], g.spec.rule, p, g.generator, greedy=g.sampling.greedy, validate=False
-        )
-    accepted = int(result.num_accepted[0])
-    return result.tokens[0, : accepted + 1].tolist(), list(range(accepted))
-
-
-def _meter(
-    g: Generation, draft: Draft, q: Tensor, judged: Tensor, path: list[int], count: int
-) -> None:
-    """Add KL(law || q) of the drafted positions that emitted the first ``count`` tokens to
-    the generation's divergence meter; q and the judged rows [K+1, V], ``path`` the kept
-    drafts (on a tree the positions are the root and the accepted nodes, row j + 1 after
-    node j; a leaf's row is q's, at no cost)."""
-    start = time.perf_counter()
-    if draft.parents is not None:
-        at = torch.tensor(_path_rows(path)[:count], device=q.device)  # [P]
-        g.stats.kl_nats += float(kl(judged[at], q[at]).sum())
+    if metered:
+        start = time.perf_counter()
+        divergence = kind.divergence(g.spec.rule, draft, q, judged, path, count)  # [P]
+        g.stats.kl_nats += float(divergence.sum())
         g.stats.time_audit_s += time.perf_counter() - start
-        return
-    positions = min(count, len(draft.tokens))
-    ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
-    p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
-    q = q[:positions]  # [P, V]
-    if _block(g, draft):  # the law is the judged row (the rule's target) itself
-        divergence = kl(judged[:positions], q)  # [P]
-    else:
-        divergence = step_divergences(p, q, g.spec.rule)  # [P]
-    g.stats.kl_nats += float(divergence.sum())
-    g.stats.time_audit_s += time.perf_counter() - start
+    return count, accepted

@@ -1,0 +1,156 @@
+"""How a row's drafts are judged, declared once per row: a chain, a block, a tree or a
+traversal.
+
+``verification_of(spec, sampling)`` reads a row's spec and sampling when the row starts
+(``Generation``) and gives the one object that owns its kind: how its drafts are shaped
+(``branches``, the drafter's argument), which rows they are judged against
+(``judged_rows``: q, or a lossy rule's per-position targets on blocks and trees), how they
+are judged (``judge``), which of the verifier's rows its tokens were emitted at
+(``emitted_rows``) and what each emitted draft cost in divergence (``divergence``). The
+stepper asks the row's kind; nothing guesses it from a draft's shape.
+
+- ``CHAIN``: token by token, each draft against the rule's ``h`` (``core.verification``).
+  Also a tree of one branch (its draft is a chain) and a block at temperature 0 (every block
+  weight is then 0 or 1, so token verification runs the same test).
+- ``BLOCK``: the chain as a whole (``core.block_verification``), towards q's rows, or the
+  rule's block targets for a lossy rule. Also a traversal of one branch.
+- ``TREE``: a draft tree judged top down (``core.tree_verification``).
+- ``TRAVERSAL``: the tree judged leaf to root, each path as a whole
+  (``core.traversal_verification``).
+
+Every kind is judged on its row alone: a row's law depends on its own spec, sampling and
+seed, never on its neighbours' kinds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cactus_spec.core.audit import kl, step_divergences
+from cactus_spec.core.block_verification import verify_block
+from cactus_spec.core.rules import Rule, draft_row
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.core.traversal_verification import verify_traversal
+from cactus_spec.core.tree_verification import TokenTree, judged_rows, verify_tree
+from cactus_spec.core.verification import verify
+from cactus_spec.runtime.drafters import Draft
+
+
+class Verification:
+    """A chain's kind: drafts judged token by token against q. The other kinds override
+    what differs. Asked only of a row that drafted; ``judged_rows`` and ``divergence`` only
+    of a lossy rule's row away from temperature 0."""
+
+    name = "chain"
+    trees = False  # whether its drafts are token trees
+
+    def __init__(self, branches: int = 1) -> None:
+        self.branches = branches
+
+    def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
+        """The rows [K+1, V] the drafts are judged against: q's, for a chain."""
+        return q
+
+    def judge(
+        self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool
+    ) -> tuple[list[int], list[int]]:
+        """The emitted tokens (the kept drafts, then the row's own) and the kept drafts."""
+        ids = torch.tensor([draft.tokens], device=judged.device)  # [1, K]
+        p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
+        result = verify(ids, judged[None], rule, p, generator, greedy=greedy, validate=False)
+        return _kept(result)
+
+    def emitted_rows(self, q: Tensor, path: list[int]) -> Tensor:
+        """q's rows [>= len(path) + 1, V] the row's tokens were emitted at: a chain's first."""
+        return q
+
+    def divergence(
+        self, rule: Rule, draft: Draft, q: Tensor, judged: Tensor, path: list[int], count: int
+    ) -> Tensor:
+        """KL(law || q) [P] of the drafted positions that emitted the first ``count`` tokens:
+        for a chain, the rule's one-step law from p and q (``step_divergences``)."""
+        positions = min(count, len(draft.tokens))
+        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
+        p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
+        return step_divergences(p, q[:positions], rule)
+
+
+class Block(Verification):
+    """The chain as a whole, towards q's rows or a lossy rule's block targets, which the block
+    emits exactly (so each position's law is its target)."""
+
+    name = "block"
+
+    def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
+        k = len(draft.tokens)
+        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
+        targets = rule.block_target(q[:k], ids, draft.probs)  # [K, V]; probs [K, V] or None
+        return torch.cat([targets, q[k:]])  # [K+1, V]
+
+    def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
+        ids = torch.tensor([draft.tokens], device=judged.device)  # [1, K]
+        p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
+        return _kept(verify_block(ids, judged[None], p, generator, False))  # SpS to judged
+
+    def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
+        positions = min(count, len(draft.tokens))
+        return kl(judged[:positions], q[:positions])
+
+
+class Tree(Verification):
+    """A draft tree of up to ``branches`` nodes per depth, judged top down; a lossy rule's
+    targets replace q's rows node by node."""
+
+    name = "tree"
+    trees = True
+
+    def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
+        return judged_rows(draft.tree, q, draft.probs, rule)
+
+    def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
+        walked = self.walk(draft.tree, judged, draft.probs, generator, greedy)
+        return walked.tokens, walked.path
+
+    def emitted_rows(self, q: Tensor, path: list[int]) -> Tensor:
+        return q[torch.tensor(path_rows(path), device=q.device)]
+
+    def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
+        at = torch.tensor(path_rows(path)[:count], device=q.device)  # [P]
+        return kl(judged[at], q[at])
+
+    @staticmethod
+    def walk(tree: TokenTree, judged: Tensor, probs: Tensor | None, generator, greedy: bool):
+        return verify_tree(tree, judged, probs, generator, greedy)
+
+
+class Traversal(Tree):
+    """The draft tree judged leaf to root, each path as a whole."""
+
+    name = "traversal"
+
+    @staticmethod
+    def walk(tree: TokenTree, judged: Tensor, probs: Tensor | None, generator, greedy: bool):
+        return verify_traversal(tree, judged, probs, generator, greedy)
+
+
+def verification_of(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
+    """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring)."""
+    if spec.verification in ("tree", "traversal") and spec.branches > 1:
+        return (Tree if spec.verification == "tree" else Traversal)(spec.branches)
+    if spec.verification in ("block", "traversal") and not sampling.greedy:
+        return Block()
+    return Verification()
+
+
+def _kept(result) -> tuple[list[int], list[int]]:
+    """A one-row chain verification's emitted tokens and kept drafts."""
+    accepted = int(result.num_accepted[0])
+    return result.tokens[0, : accepted + 1].tolist(), list(range(accepted))
+
+
+def path_rows(path: list[int]) -> list[int]:
+    """The fed positions of a tree's accepted path: the root (the last emitted token, fed
+    first) and node j at j + 1; the verifier's row after each is where a token was emitted."""
+    return [0, *(j + 1 for j in path)]
