@@ -33,7 +33,7 @@ from cactus_spec.core.rules import Rule, draft_row
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.traversal_verification import verify_traversal
-from cactus_spec.core.tree_verification import TokenTree, judged_rows, verify_tree
+from cactus_spec.core.tree_verification import judged_rows, verify_tree
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft
 
@@ -57,8 +57,7 @@ class Verification:
         self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool
     ) -> tuple[list[int], list[int]]:
         """The emitted tokens (the kept drafts, then the row's own) and the kept drafts."""
-        ids = torch.tensor([draft.tokens], device=judged.device)  # [1, K]
-        p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
+        ids, p = _one_row(draft, judged.device)
         result = verify(ids, judged[None], rule, p, generator, greedy=greedy, validate=False)
         return _kept(result)
 
@@ -90,8 +89,7 @@ class Block(Verification):
         return torch.cat([targets, q[k:]])  # [K+1, V]
 
     def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
-        ids = torch.tensor([draft.tokens], device=judged.device)  # [1, K]
-        p = None if draft.probs is None else draft.probs[None]  # [1, K, V]
+        ids, p = _one_row(draft, judged.device)
         return _kept(verify_block(ids, judged[None], p, generator, False))  # SpS to judged
 
     def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
@@ -109,6 +107,8 @@ class Tree(Verification):
     def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
         return judged_rows(draft.tree, q, draft.probs, rule)
 
+    walk = staticmethod(verify_tree)  # top down
+
     def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
         walked = self.walk(draft.tree, judged, draft.probs, generator, greedy)
         return walked.tokens, walked.path
@@ -120,28 +120,27 @@ class Tree(Verification):
         at = torch.tensor(path_rows(path)[:count], device=q.device)  # [P]
         return kl(judged[at], q[at])
 
-    @staticmethod
-    def walk(tree: TokenTree, judged: Tensor, probs: Tensor | None, generator, greedy: bool):
-        return verify_tree(tree, judged, probs, generator, greedy)
-
 
 class Traversal(Tree):
     """The draft tree judged leaf to root, each path as a whole."""
 
     name = "traversal"
-
-    @staticmethod
-    def walk(tree: TokenTree, judged: Tensor, probs: Tensor | None, generator, greedy: bool):
-        return verify_traversal(tree, judged, probs, generator, greedy)
+    walk = staticmethod(verify_traversal)
 
 
 def verification_of(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
     """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring)."""
-    if spec.verification in ("tree", "traversal") and spec.branches > 1:
+    if spec.trees and spec.branches > 1:
         return (Tree if spec.verification == "tree" else Traversal)(spec.branches)
     if spec.verification in ("block", "traversal") and not sampling.greedy:
         return Block()
     return Verification()
+
+
+def _one_row(draft: Draft, device) -> tuple[Tensor, Tensor | None]:
+    """A chain draft as one row: its ids [1, K] and draft probabilities [1, K, V] (or None)."""
+    ids = torch.tensor([draft.tokens], device=device)  # [1, K]
+    return ids, None if draft.probs is None else draft.probs[None]
 
 
 def _kept(result) -> tuple[list[int], list[int]]:
