@@ -66,9 +66,11 @@ test: lint fetch-test-model
 	$(VENV)/bin/pytest -q
 	$(MAKE) test-vllm
 
-# SmolLM2's dense folder is the third column of `models fetch`.
+# The dense folders are the third column of `models fetch`: SmolLM2, and the default pair's
+# 0.5B for tensor parallelism 2 (its heads divide by 2).
 test-vllm: vllm-env fetch-test-model
 	CACTUS_SPEC_VLLM_TEST_MODEL="$$($(VENV)/bin/cactus-spec models fetch smollm2-135m | cut -f3)" \
+	CACTUS_SPEC_VLLM_TP_MODEL="$$($(VENV)/bin/cactus-spec models fetch qwen-coder-0.5b | cut -f3)" \
 		$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
 demo: fetch-default

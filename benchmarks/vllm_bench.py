@@ -4,6 +4,8 @@
     python benchmarks/vllm_bench.py --out bench-out/vllm --only step
     python benchmarks/vllm_bench.py --out bench-out/vllm --k 4 --drafting probabilistic \
         --method SpS --method "SpS, block"                          # a part of the grid
+    python benchmarks/vllm_bench.py --out bench-out/vllm --only vllm --tp 2 --k 4 \
+        --drafting greedy --method SpS --method "Cactus(0.5)" --method "Cactus(1)"
 
 Run from the project root with cactus-spec's environment (.venv); the vLLM parts run in
 .venv-vllm (``make vllm-env``) as child processes, one at a time (two cores: nothing else
@@ -18,7 +20,8 @@ skipped when its lines are already there:
 - ``vllm``: one vLLM engine per drafting (greedy, probabilistic) and K (4, 10), both models
   in bf16 from their dense folders, the same token ids and sampling, one request at a time;
   every method through the plugin's extra args (blocks: ``cactus_verification``). Accepted
-  length and KL come from the plugin's meter file.
+  length and KL come from the plugin's meter file. ``--tp 2`` runs the verifier with tensor
+  parallelism 2 (two worker processes, one core each; config "... TP2").
 - ``step``: the plugin's cost: vLLM's ``rejection_sample`` with no rule rows (vLLM's own
   code) against the plugin's with SpS and Cactus rows, on chains and on blocks, on the same
   synthetic batch (B requests x K drafts x 151,936 tokens, target logits cut to their top
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, choices=KS, action="append", help="these K only")
     parser.add_argument("--drafting", choices=DRAFTINGS, action="append", help="these only")
     parser.add_argument("--method", choices=METHODS, action="append", help="these only")
+    parser.add_argument("--tp", type=int, default=1, help="vLLM's tensor parallelism")
     parser.add_argument("--part-args", help=argparse.SUPPRESS)  # a child's own part
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -109,10 +113,13 @@ def child(args, **part) -> None:
     ]
     if args.eager:
         command.append("--eager")
+    command += ["--tp", str(args.tp)]
     for label in args.method or ():
         command += ["--method", label]
-    meter = args.out / ("meter-" + "-".join(map(str, part.values())) + ".jsonl")
+    meter = args.out / ("meter-" + "-".join(map(str, part.values())) + f"-tp{args.tp}.jsonl")
     env = {**os.environ, "CACTUS_SPEC_VLLM_METER": str(meter)}
+    if args.tp > 1:  # one core per worker
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(args.tp)))
     subprocess.run(command, check=True, env=env)
 
 
@@ -169,7 +176,7 @@ def run_own(args) -> None:
 def run_vllm(args, drafting: str, k: int) -> None:
     from vllm import LLM, SamplingParams
 
-    config = f"{drafting} K{k}"
+    config = f"{drafting} K{k}" + (f" TP{args.tp}" if args.tp > 1 else "")
     finished = done(args.out)
     todo = [
         (label, i)
@@ -191,6 +198,8 @@ def run_vllm(args, drafting: str, k: int) -> None:
         max_model_len=2048,
         seed=0,
         enforce_eager=args.eager,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp" if args.tp > 1 else None,
         speculative_config={
             "method": "draft_model",
             "model": draft,

@@ -133,6 +133,25 @@ def test_a_wide_draft_is_measured_through_the_lump(monkeypatch) -> None:
     torch.testing.assert_close(step_divergences(p, q, Cactus(0.5)), expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_each_position_is_audited_on_its_own_support(rule, monkeypatch) -> None:
+    """A batch of top-4 rows whose supports together pass the audit's limit is measured
+    exactly (each row on its own support); a row whose own support passes it is "not
+    measured" (NaN) while the others still are. Control: the whole-vocabulary audit."""
+    gen = torch.Generator().manual_seed(15)
+    p = torch.softmax(2 * torch.randn(6, 48, generator=gen), -1)  # full support
+    logits = torch.randn(6, 48, generator=gen)
+    q = torch.softmax(logits.masked_fill(logits < logits.topk(4).values[:, -1:], -1e9), -1)
+    q = torch.where(q < 1e-30, torch.zeros_like(q), q)
+    q[5] = torch.softmax(torch.randn(48, generator=gen), -1)  # a row without top-k
+    whole = kl(step_law(p, q, rule), q)  # [6]
+    monkeypatch.setattr("cactus_spec.core.audit.MAX_AUDIT_SUPPORT", 12)  # 5 rows x 4 > 12
+    measured = step_divergences(p, q, rule)
+    torch.testing.assert_close(measured[:5], whole[:5], atol=1e-6, rtol=1e-5)
+    assert float(whole[:5].max()) > 1e-3 or rule.lossless
+    assert bool(measured[5].isnan())
+
+
 def test_a_lossless_rows_divergence_is_never_negative() -> None:
     """Rounding made KL(q || q) -1e-9 here once, which a Prometheus counter refuses."""
     gen = torch.Generator().manual_seed(14)

@@ -135,7 +135,9 @@ def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> Non
     ids = torch.randint(0, 30, (8,), generator=gen)
     meter = Meter()
     # a: 4 drafts, 2 kept then a recovered token; b: 4 drafts all kept plus the bonus token
-    meter.record([Chain("a", CACTUS, 0, 4, 3), Chain("b", CACTUS, 4, 4, 5)], q, ids, None)
+    meter.record(
+        [Chain("a", CACTUS, 0, 4, 3, False), Chain("b", CACTUS, 4, 4, 5, False)], q, ids, None
+    )
     a, b = meter.finish("a"), meter.finish("b")
     assert (a.drafted, a.accepted, a.positions) == (4, 2, 3)
     assert (b.drafted, b.accepted, b.positions) == (4, 4, 4)
@@ -165,7 +167,7 @@ def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
     emitted = int((out != -1).sum())
     positions = min(emitted, 6)
     meter = Meter()
-    chains = [Chain("b", block, 0, 6, emitted), Chain("c", CACTUS, 0, 6, emitted)]
+    chains = [Chain("b", block, 0, 6, emitted, True), Chain("c", CACTUS, 0, 6, emitted, False)]
     meter.record(chains, q, ids, p, block_kl)
     measured_block, measured_chain = meter.finish("b").kl_nats, meter.finish("c").kl_nats
     expected = kl(kl_target(q, p, 0.5), q)[:positions].sum()  # the whole vocabulary's t
@@ -181,7 +183,7 @@ def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
 def test_a_lossless_rule_spends_nothing() -> None:
     q = torch.softmax(torch.randn(4, 10), -1)
     meter = Meter()
-    meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2)], q, torch.zeros(4).long(), None)
+    meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2, False)], q, torch.zeros(4).long(), None)
     assert meter.finish("s").kl_nats == 0.0
 
 
@@ -199,3 +201,54 @@ def test_a_missing_patch_target_is_named_and_nothing_is_patched() -> None:
         resolve_all((("json", "loads"), ("json", "JSONDecoder.nope")))
     with pytest.raises(RuntimeError, match=r"cannot find no_such_module\.x"):
         resolve("no_such_module", "x")
+
+
+def _normalising_kernel_law(p: torch.Tensor, q: torch.Tensor, target) -> torch.Tensor:
+    """The exact law MRV2's kernels emit for one draft n ~ p [V] when handed target(n) [V]:
+    they normalise it to t, accept n with min(1, t_n / p_n) and redraw from
+    normalize(max(0, t - p)) -> [V] float64."""
+    law = torch.zeros(q.shape[-1], dtype=torch.float64)
+    for n in range(q.shape[-1]):
+        t = target(n).double()
+        t = t / t.sum()
+        accept = min(1.0, float(t[n] / p[n]))
+        excess = (t - p.double()).clamp(min=0)
+        if excess.sum() == 0:  # rejection impossible; accept < 1 only by rounding
+            accept = 1.0
+        law[n] += p[n] * accept
+        if accept < 1:
+            law += p[n] * (1 - accept) * excess / excess.sum()
+    return law
+
+
+RULE_SPECS = [
+    CACTUS,
+    DecodeSpec.of("tas", epsilon=0.3, alpha=0.6),
+    DecodeSpec.of("interp", alpha=0.4),
+    DecodeSpec.of("topk", k=2),
+    DecodeSpec.of("topk", k=3),
+]
+
+
+@pytest.mark.parametrize("spec", RULE_SPECS, ids=lambda s: f"{s.method}{dict(s.params)}")
+def test_mrv2_targets_keep_each_rules_exact_law(spec) -> None:
+    """A kernel target made a distribution (``as_distribution``) gives, in kernels that
+    normalise what they are handed, the rule's exact step law; TopK's indicator handed as it
+    is does not (the negative control)."""
+    from cactus_spec.core.audit import step_law
+    from cactus_spec.integrations.vllm.sampler_v2 import as_distribution
+
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(1.5 * torch.randn(7, generator=gen), -1)
+    q = torch.softmax(3 * torch.randn(7, generator=gen), -1)
+
+    def raw(n: int) -> torch.Tensor:
+        return rule_targets(q[None], torch.tensor([n]), p[None], [(spec, (0, 1))])[0]
+
+    def made(n: int) -> torch.Tensor:
+        return as_distribution(raw(n)[None], p[None])[0]
+
+    law = step_law(p, q, spec.rule)
+    assert torch.allclose(_normalising_kernel_law(p, q, made), law, atol=1e-6)
+    if spec.method == "topk":
+        assert not torch.allclose(_normalising_kernel_law(p, q, raw), law, atol=1e-3)

@@ -1,4 +1,4 @@
-"""The plugin as vLLM finds it: registered by entry point, idempotent, Model Runner V2 refused."""
+"""The plugin as vLLM finds it: registered by entry point, idempotent, in both model runners."""
 
 from __future__ import annotations
 
@@ -12,20 +12,19 @@ def test_vllm_finds_the_plugin_by_its_entry_point() -> None:
     assert found.value == "cactus_spec.integrations.vllm.plugin:register"
 
 
-def test_register_patches_once(plugin) -> None:
+def test_register_patches_both_runners_once(plugin) -> None:
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
 
-    patched = rejection_sampler.rejection_sample
+    patched = rejection_sampler.rejection_sample, v2.rejection_sample
+    runner = GPUModelRunner.add_requests, GPUModelRunner.finish_requests
     plugin.register()
-    assert rejection_sampler.rejection_sample is patched
-    assert patched.__module__ == "cactus_spec.integrations.vllm.sampler"
-
-
-def test_model_runner_v2_is_refused_with_how_to_run_instead(plugin) -> None:
-    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
-
-    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        RejectionSampler()
+    assert (rejection_sampler.rejection_sample, v2.rejection_sample) == patched
+    assert (GPUModelRunner.add_requests, GPUModelRunner.finish_requests) == runner
+    assert patched[0].__module__ == "cactus_spec.integrations.vllm.sampler"
+    assert patched[1].__module__ == "cactus_spec.integrations.vllm.sampler_v2"
+    assert v2.RejectionSampler.__call__.__module__ == "cactus_spec.integrations.vllm.plugin"
 
 
 def test_offline_sampling_params_refuse_a_bad_value(plugin) -> None:

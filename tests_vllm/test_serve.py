@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from serving import (
+    assert_counters_match,
+    cactus,
+    complete,
+    meter_lines,
+    prometheus,
+    vllm_server,
+)
 
 MODEL_ENV = "CACTUS_SPEC_VLLM_TEST_MODEL"
 PROMPTS = [
@@ -28,99 +30,13 @@ PROMPTS = [
 DELTAS = (0.0, 0.5, 2.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = os.environ.get(MODEL_ENV)
     if not model:
         pytest.fail(f"{MODEL_ENV} must name SmolLM2's dense folder (make test-vllm sets it)")
-    meter = tmp_path_factory.mktemp("vllm") / "meter.jsonl"
-    port = free_port()
-    env = {
-        **os.environ,
-        "CACTUS_SPEC_VLLM_METER": str(meter),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("prometheus")),
-    }
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 4,
-        "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1,
-    }
-    log = open(meter.with_suffix(".log"), "w")  # noqa: SIM115 (closed at teardown)
-    process = subprocess.Popen(
-        # vllm-cpu's `vllm` command looks up the metadata of a package called vllm and fails
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--max-model-len",
-            "1024",
-            "--seed",
-            "0",
-            "--served-model-name",
-            "smol",
-            "--speculative-config",
-            json.dumps(spec),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    deadline = time.monotonic() + 400
-    while True:
-        try:
-            client.models.list()
-            break
-        except openai.APIConnectionError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                tail = meter.with_suffix(".log").read_text()[-3000:]
-                pytest.fail(f"vllm serve did not start:\n{tail}")
-            time.sleep(2)
-    yield client, meter
-    process.terminate()
-    process.wait(timeout=60)
-    log.close()
-
-
-def complete(client, prompt: str, seed: int, xargs: dict | None = None, **options) -> str:
-    extra = {"vllm_xargs": xargs} if xargs else None
-    response = client.completions.create(
-        model="smol",
-        prompt=prompt,
-        max_tokens=options.pop("max_tokens", 48),
-        seed=seed,
-        temperature=options.pop("temperature", 0.8),
-        extra_body=extra,
-        **options,
-    )
-    return response.choices[0].text
-
-
-def meter_lines(client, meter: Path) -> list[dict]:
-    """The meter's lines so far; a one-token request first makes the worker take a step, in
-    which it learns of (and closes) the requests that finished before."""
-    complete(client, "flush", seed=0, max_tokens=1)
-    if not meter.exists():
-        return []
-    return [json.loads(line) for line in meter.read_text().splitlines()]
-
-
-def cactus(delta: float, exact: bool = False) -> dict:
-    return {"cactus_method": "cactus", "cactus_delta": delta, "cactus_exact": str(exact).lower()}
+    with vllm_server(model, tmp_path_factory) as running:
+        yield running
 
 
 def test_sps_through_the_plugin_is_vllms_own_token_for_token(server) -> None:
@@ -209,20 +125,8 @@ def test_the_meter_reaches_prometheus(server) -> None:
     """The worker's counters on the API server's /metrics agree with the meter's lines."""
     client, meter = server
     lines = meter_lines(client, meter)
-    url = str(client.base_url).replace("/v1/", "/metrics")
-    values = {}
-    for row in httpx.get(url).text.splitlines():
-        if row.startswith("cactus_spec:"):
-            name, value = row.rsplit(" ", 1)
-            values[name] = float(value)
-    for method in ("cactus", "sps", "topk"):
-        mine = [x for x in lines if x["method"] == method]
-        label = f'{{method="{method}"}}'
-        assert values[f"cactus_spec:requests_total{label}"] == len(mine)
-        assert values[f"cactus_spec:drafted_tokens_total{label}"] == sum(x["drafted"] for x in mine)
-        assert values[f"cactus_spec:accepted_tokens_total{label}"] == sum(
-            x["accepted"] for x in mine
-        )
+    values = prometheus(client)
+    assert_counters_match(values, lines, ("cactus", "sps", "topk"))
     kl = sum(x["kl_nats"] for x in lines if x["method"] == "cactus")
     assert values['cactus_spec:kl_nats_total{method="cactus"}'] == pytest.approx(kl)
 

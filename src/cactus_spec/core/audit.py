@@ -119,22 +119,29 @@ def _lump(p: Tensor, q: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
 def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     """KL(law_i || q_i) in nats for each position i: p, q [P, V] -> [P] (float64).
 
-    All positions share one support (the union of theirs), so a whole verified block is
-    audited in one call. When the draft's support makes that too large, the draft's mass
-    outside the verifier's support is lumped into one token (``lump_outside_q``, exact). A
-    verifier support above MAX_AUDIT_SUPPORT tokens (an unrestricted vocabulary: no top-k or
-    top-p) gives NaN, "not measured", rather than building V x V matrices.
+    Each position is audited on its own verifier support (padded to the widest row's with
+    tokens where p = q = 0, which no rule can emit), plus one token that holds the draft's
+    mass outside it (``lump_outside_q``'s argument, row by row: exact), so a batch costs
+    P S^2 for S the widest row's support, whatever its rows' supports together. A position
+    whose verifier support exceeds MAX_AUDIT_SUPPORT tokens (an unrestricted vocabulary: no
+    top-k or top-p) gives NaN, "not measured", rather than V x V matrices; the others are
+    measured.
     """
-    in_q = q > 0  # [P, V], one pass each over q and p
-    q_support = _columns(in_q)  # [S_q]
-    if q_support.shape[0] + 1 > MAX_AUDIT_SUPPORT:
-        return torch.full(q.shape[:-1], float("nan"), dtype=torch.float64)  # even lumped
-    support = _columns(in_q | (p > 0))  # [S]
-    if support.shape[0] <= MAX_AUDIT_SUPPORT:
-        p_s, q_s = p[..., support], q[..., support]
-    else:
-        p_s, q_s = _lump(p, q, q_support)
-    return kl(step_law(p_s, q_s, rule), q_s)
+    sizes = (q > 0).sum(-1)  # [P]
+    narrow = sizes + 1 <= MAX_AUDIT_SUPPORT  # [P]
+    out = torch.full(q.shape[:-1], float("nan"), dtype=torch.float64, device=q.device)
+    if not bool(narrow.any()):
+        return out
+    p, q = p[narrow], q[narrow]  # [N, V]
+    # each row's positive tokens, padded with zeros of q, in vocabulary order
+    columns = q.topk(int(sizes[narrow].max()), -1).indices.sort(-1).values  # [N, S]
+    q_in = q.gather(-1, columns)
+    p_in = torch.where(q_in > 0, p.gather(-1, columns), torch.zeros_like(q_in))  # [N, S]
+    rest = (1 - p_in.sum(-1, keepdim=True, dtype=torch.float64)).clamp(min=0.0)  # [N, 1]
+    p_s = torch.cat([p_in, rest.to(p_in.dtype)], -1)  # [N, S+1]
+    q_s = torch.cat([q_in, torch.zeros_like(rest).to(q_in.dtype)], -1)
+    out[narrow] = kl(step_law(p_s, q_s, rule), q_s)
+    return out
 
 
 def one_hot_divergences(q: Tensor, draft_ids: Tensor, rule: Rule) -> Tensor:

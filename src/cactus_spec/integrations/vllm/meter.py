@@ -7,8 +7,9 @@ the request samples from (after temperature, top-k, top-p and penalties):
 
 - one-hot drafts (greedy drafting, n-gram): ``audit.one_hot_divergences``, exact at any
   vocabulary;
-- drafts with probabilities: ``audit.step_divergences``, exact on the union of supports,
-  NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no top-k);
+- drafts with probabilities: ``audit.step_divergences``, exact on each position's verifier
+  support, NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no
+  top-k or top-p);
 - blocks (``verification = block``): the block emits its rule's target t at every drafted
   position, so the law is t and the meter adds KL(t || q), exact at any vocabulary (the
   sampler hands it over from judging the block, where t was solved).
@@ -60,6 +61,7 @@ class Meter:
     def __init__(self, export: Callable[[Tally], None] | None = None) -> None:
         self.tallies: dict[str, Tally] = {}
         self.export = export
+        self.active = True  # False on a worker whose requests another worker meters
 
     def record(
         self,
@@ -70,18 +72,20 @@ class Meter:
         block_kl: Tensor | None = None,  # [T] KL(t || q) per drafted position of each block
     ) -> None:
         """Add one verified chain (or block) per request; lossy rules' chain divergences in one
-        call per rule, blocks' read from ``block_kl``."""
+        call per rule, blocks' read from ``block_kl``. Nothing when not ``active``."""
+        if not self.active:
+            return
         by_rule: dict[tuple[object, bool], list[Chain]] = defaultdict(list)
         for chain in chains:
             tally = self.tallies.setdefault(
                 chain.request_id,
-                Tally(chain.spec.method, dict(chain.spec.params), chain.spec.verification),
+                Tally(chain.spec.method, dict(chain.spec.params), chain.kind),
             )
             tally.drafted += chain.drafted
             tally.accepted += min(chain.emitted - 1, chain.drafted)
             tally.positions += chain.positions
             if chain.positions and not chain.spec.lossless:
-                by_rule[chain.spec.rule, chain.spec.verification == "block"].append(chain)
+                by_rule[chain.spec.rule, chain.block].append(chain)
         for (rule, block), group in by_rule.items():
             if block and block_kl is None:
                 raise ValueError("block_kl must hold the divergences of the blocks judged")
@@ -123,14 +127,20 @@ class Meter:
 
 @dataclass(frozen=True)
 class Chain:
-    """One request's verified chain in a batch: its drafts at [start, start + drafted) of the
-    flattened token axis, of which the sampler emitted ``emitted`` tokens."""
+    """One request's verified drafts in a batch: at [start, start + drafted) of the flattened
+    token axis, judged as a block or as a chain, of which the sampler emitted ``emitted``
+    tokens."""
 
     request_id: str
     spec: DecodeSpec
     start: int
     drafted: int
     emitted: int
+    block: bool
+
+    @property
+    def kind(self) -> str:
+        return "block" if self.block else "chain"
 
     @property
     def positions(self) -> int:
@@ -143,15 +153,13 @@ def _divergences(
 ) -> list[float]:
     """Each chain's KL(law || q) summed over its emitted positions; q [T, V], ids [T].
 
-    One audit call for the whole group; with draft probabilities whose union of supports is
-    too large to audit at once (NaN), one call per chain, each on its own support."""
+    One audit call for the whole group; a position it cannot measure (its verifier support
+    is too large) is NaN, and so is its chain's sum, the others are measured."""
     index = _positions(chains)  # [P]
     if p is None:
         per_position = one_hot_divergences(q[index], ids[index].long(), rule)  # [P]
     else:
         per_position = step_divergences(p[index].float(), q[index], rule)  # [P]
-        if len(chains) > 1 and bool(per_position.isnan().any()):
-            return [_divergences(rule, [c], q, ids, p)[0] for c in chains]
     return _sums(chains, per_position)
 
 

@@ -9,11 +9,15 @@ failing loudly when one is missing, then:
   never inside the engine;
 - wraps the V1 runner's ``_sample`` to tell the sampler which spec each row asks for
   (``requests``), and its ``_update_states`` to close the meter of finished requests;
-- replaces ``rejection_sample`` with the rule-aware one (``sampler``);
-- refuses Model Runner V2 (it verifies in its own kernels, which this plugin does not patch)
-  with a message that says how to run instead;
+- replaces V1's ``rejection_sample`` with the rule-aware one (``sampler``);
+- the same in Model Runner V2 (vLLM's GPU default): its runner's ``add_requests`` reads each
+  request's spec once, ``finish_requests`` closes the meter, ``RejectionSampler.__call__``
+  tells ``sampler_v2`` the batch's requests, and MRV2's ``rejection_sample`` becomes the
+  rule-aware one;
 - applies ``cpu_fixes`` on the versions that need them;
-- gives the meter its Prometheus counters (``COUNTERS``).
+- gives the meter its Prometheus counters (``COUNTERS``), on one worker per request: under
+  tensor parallelism every rank samples every request, so only rank 0 meters (with MRV2's
+  batch-sharded sampling each rank samples, and meters, its own requests).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.integrations.vllm import cpu_fixes
+from cactus_spec.integrations.vllm import cpu_fixes, sampler_v2
 from cactus_spec.integrations.vllm.meter import Meter, Tally, logger
 from cactus_spec.integrations.vllm.requests import PREFIX, default_spec, request_spec
 from cactus_spec.integrations.vllm.sampler import Batch, Current, make_rejection_sample
@@ -34,6 +38,8 @@ SUPPORTED = ((0, 32), (0, 34))
 SAMPLER = "vllm.v1.sample.rejection_sampler"
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+V2_KERNELS = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
 #: Every attribute the plugin reads or replaces, checked before anything is patched.
 TARGETS = (
     ("vllm.sampling_params", "SamplingParams._verify_extra_args"),
@@ -47,12 +53,13 @@ TARGETS = (
     (SAMPLER, "_rejection_random_sample"),
     (SAMPLER, "PLACEHOLDER_TOKEN_ID"),
     (SAMPLER, "GREEDY_TEMPERATURE"),
-    (V2_SAMPLER, "RejectionSampler.__init__"),
+    (V2_SAMPLER, "rejection_sample"),
+    (V2_SAMPLER, "RejectionSampler.__call__"),
+    (V2_RUNNER, "GPUModelRunner.add_requests"),
+    (V2_RUNNER, "GPUModelRunner.finish_requests"),
+    (V2_KERNELS, "rejection_sample"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank"),
     *cpu_fixes.TARGETS,
-)
-V2_REFUSAL = (
-    "cactus-spec's vLLM plugin applies its rules in the V1 model runner; Model Runner V2 "
-    "verifies in kernels it does not patch: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
 )
 METER = Meter()
 #: The meter's Prometheus counters, by method: they reach vLLM's /metrics from the worker
@@ -78,7 +85,7 @@ def register() -> None:
     _patch_requests()
     _patch_runner()
     _patch_sampler()
-    _refuse_v2()
+    _patch_v2()
     cpu_fixes.apply(release)
     _registered.append(True)
 
@@ -184,6 +191,7 @@ def _patch_runner() -> None:
         if spec_decode_metadata is None:
             return sample(self, logits, spec_decode_metadata)
         specs = _specs(self)
+        _claim_meter(self)
         ids = list(self.input_batch.req_ids[: self.input_batch.num_reqs])
         extra = [self.requests[i].sampling_params.extra_args for i in ids]
         Current.batch = Batch(ids, [specs.of(i, e) for i, e in zip(ids, extra, strict=True)])
@@ -193,13 +201,7 @@ def _patch_runner() -> None:
             Current.batch = None
 
     def _update_states(self, scheduler_output):
-        specs = _specs(self)
-        for request_id in scheduler_output.finished_req_ids:
-            specs.by_request.pop(request_id, None)
-            try:
-                METER.finish(request_id)
-            except Exception:  # the meter must never take the engine down
-                logger.exception("cactus-spec: closing the meter of %s failed", request_id)
+        _finish(_specs(self), scheduler_output.finished_req_ids)
         return update_states(self, scheduler_output)
 
     runner._sample, runner._update_states = _sample, _update_states
@@ -210,13 +212,65 @@ def _patch_sampler() -> None:
     module.rejection_sample = make_rejection_sample(module, METER)
 
 
-def _refuse_v2() -> None:
-    sampler = importlib.import_module(V2_SAMPLER).RejectionSampler
+def _finish(specs: _RunnerSpecs, finished: set[str]) -> None:
+    """Forget finished requests' specs and close their meters."""
+    for request_id in finished:
+        specs.by_request.pop(request_id, None)
+        try:
+            METER.finish(request_id)
+        except Exception:  # the meter must never take the engine down
+            logger.exception("cactus-spec: closing the meter of %s failed", request_id)
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise RuntimeError(V2_REFUSAL)
 
-    sampler.__init__ = __init__
+def _claim_meter(runner) -> None:
+    """Decide once per worker whether it meters: rank 0 of its tensor-parallel group, or
+    every rank when each samples only its own requests (MRV2's batch-sharded sampling)."""
+    if "_cactus_meter" in runner.__dict__:
+        return
+    rank = resolve("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank")()
+    METER.active = getattr(runner, "batch_sharder", None) is not None or rank == 0
+    runner.__dict__["_cactus_meter"] = METER.active
+
+
+def _patch_v2() -> None:
+    """Model Runner V2: specs read when requests arrive, the batch's requests handed to
+    ``sampler_v2`` around each verification, MRV2's ``rejection_sample`` replaced."""
+    runner = importlib.import_module(V2_RUNNER).GPUModelRunner
+    module = importlib.import_module(V2_SAMPLER)
+    add_requests, finish_requests = runner.add_requests, runner.finish_requests
+    call = module.RejectionSampler.__call__
+
+    def add(self, scheduler_output) -> None:
+        add_requests(self, scheduler_output)
+        specs = _specs(self)
+        _claim_meter(self)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.sampling_params is not None:
+                specs.of(new.req_id, new.sampling_params.extra_args)
+        if self.rejection_sampler is not None:
+            self.rejection_sampler.__dict__["_cactus_specs"] = specs
+
+    def finish(self, scheduler_output) -> None:
+        _finish(_specs(self), scheduler_output.finished_req_ids)
+        finish_requests(self, scheduler_output)
+
+    def __call__(self, logits, input_batch, *args, **kwargs):
+        specs = self.__dict__.get("_cactus_specs")
+        if specs is None:
+            return call(self, logits, input_batch, *args, **kwargs)
+        states = input_batch.idx_mapping_np.tolist()
+        ids = input_batch.req_ids[: input_batch.num_reqs]
+        sampler_v2.Current.requests = {
+            state: (i, specs.by_request.get(i)) for i, state in zip(ids, states, strict=False)
+        }
+        try:
+            return call(self, logits, input_batch, *args, **kwargs)
+        finally:
+            sampler_v2.Current.requests = None
+
+    runner.add_requests, runner.finish_requests = add, finish
+    module.RejectionSampler.__call__ = __call__
+    module.rejection_sample = sampler_v2.make_rejection_sample(module.rejection_sample, METER)
 
 
 def extra_args(method: str, **params: object) -> dict[str, object]:

@@ -127,6 +127,7 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         synthetic_mode: bool = False,
         synthetic_conditional_rates: Tensor | None = None,
         use_fp64_gumbel: bool = False,
+        **options,  # later releases' (0.33: FLy's window), passed on
     ) -> Tensor:
         args = (
             draft_token_ids,
@@ -140,18 +141,15 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         )
         batch = Current.batch
         rows = _rule_rows(batch, num_draft_tokens, sampling_metadata)
-        if rows and synthetic_mode and not _warned:
-            logger.warning(
-                "cactus-spec: vLLM's synthetic acceptance is on; it decides "
-                "acceptance itself, so requests' rules do not apply"
-            )
-            _warned.append(True)
-        if synthetic_mode or not rows:
+        if rows and vllm_decides(synthetic_mode, options):
+            warn_vllm_decides()
+        if not rows or vllm_decides(synthetic_mode, options):
             return original(
                 *args,
                 synthetic_mode=synthetic_mode,
                 synthetic_conditional_rates=synthetic_conditional_rates,
                 use_fp64_gumbel=use_fp64_gumbel,
+                **options,
             )
         device = target_logits.device
         out = torch.full(
@@ -224,6 +222,21 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         return out
 
     return rejection_sample
+
+
+def vllm_decides(synthetic: bool, options: dict) -> bool:
+    """Whether vLLM's own acceptance is on (synthetic rates, or FLy from 0.33: a window of
+    0 or None is off): it decides acceptance itself, so requests' rules cannot apply."""
+    return synthetic or bool(options.get("fly_window_size"))
+
+
+def warn_vllm_decides() -> None:
+    if not _warned:
+        logger.warning(
+            "cactus-spec: vLLM's own acceptance (synthetic or FLy) is on; it decides "
+            "acceptance itself, so requests' rules do not apply"
+        )
+        _warned.append(True)
 
 
 def judge_blocks(
@@ -309,7 +322,7 @@ def _meter(
 ) -> None:
     emitted = (out != -1).sum(-1).tolist()  # [B]
     chains = [
-        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index])
+        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index], r.block)
         for r in rows
     ]
     meter.record(chains, q, draft_ids, draft_probs, block_kl)
