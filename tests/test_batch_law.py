@@ -15,10 +15,11 @@ from cactus_spec.runtime.verifications import verification_of
 pytestmark = pytest.mark.slow
 
 #: Every (method, verification) the engine accepts: each rule on chains, the rules with a
-#: target per position on blocks and trees (SpS, Cactus).
+#: target per position on blocks and trees (SpS, Cactus), Cactus under an answer's budget.
 KINDS = [
     *(DecodeSpec.of(m) for m in ("sps", "cactus", "tas", "interp", "topk")),
     *(DecodeSpec.of(m, verification="block") for m in ("sps", "cactus")),
+    *(DecodeSpec.of("cactus", kl_budget=0.1, verification=v) for v in ("chain", "block")),
     *(
         DecodeSpec.of(m, verification=v, branches=2)
         for m in ("sps", "cactus")

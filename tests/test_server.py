@@ -307,6 +307,12 @@ def one(smollm):
         ({"speculative": {"method": "cactus", "delta": -1}}, "speculative", "delta"),
         ({"speculative": {"method": "nope"}}, "speculative", "method must be one of"),
         ({"speculative": {"num_draft_tokens": 0}}, "speculative.num_draft_tokens", "[1, 32]"),
+        (
+            {"speculative": {"method": "cactus", "kl_budget": "lots"}},
+            "speculative.kl_budget",
+            "kl_budget must be a finite number >= 0",
+        ),
+        ({"speculative": {"method": "sps", "kl_budget": 1}}, "speculative.kl_budget", "cactus"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     ],
 )

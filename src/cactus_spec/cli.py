@@ -60,8 +60,8 @@ def _k_value(text: str) -> int | str:
 
 
 def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
-    """--method, its parameters, --num-draft-tokens, --drafter, --verification and --branches:
-    the decoding spec."""
+    """--method, its parameters, --num-draft-tokens, --drafter, --verification, --branches
+    and --kl-budget: the decoding spec."""
     p.add_argument(
         "--method",
         default=DEFAULT_METHOD,
@@ -82,6 +82,13 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         "--branches",
         type=int,
         help="a tree's nodes per depth (--verification tree or traversal; default 2)",
+    )
+    p.add_argument(
+        "--kl-budget",
+        type=float,
+        help="cactus: the whole answer's divergence budget in nats (KL of the answer's law "
+        "to the verifier's <= it; any metric moves by at most sqrt(budget/2)); --delta caps "
+        "each position; chain or block",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]
@@ -381,10 +388,11 @@ def _flag(key: str) -> str:
 
 def _spec(args: argparse.Namespace) -> DecodeSpec:
     """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter,
-    --verification and --branches."""
+    --verification, --branches and --kl-budget."""
     given = {name: getattr(args, name) for name in _method_flags()}
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     given |= {"verification": args.verification, "branches": args.branches}
+    given |= {"kl_budget": args.kl_budget}
     return parse_spec({"method": args.method, **given}, label=_flag)
 
 

@@ -22,6 +22,10 @@ value is converted, checked and its error worded in one place:
   or ``traversal``, the same tree judged leaf to root, each path as a whole, as blocks judge
   a chain (``core.traversal_verification``; with one branch it is ``block``).
 - ``branches``: the tree's nodes per depth, an integer >= 1 (trees only).
+- ``kl_budget``: Cactus only, a divergence budget in nats for the whole answer
+  (``core.budget``): each drafted position's delta comes from what is left of it (``delta``
+  caps each position), so KL(answer law || verifier's) <= kl_budget on every path. Chains
+  and blocks; None: no budget (each position within delta).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -34,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from cactus_spec.core.budget import check_budget
 from cactus_spec.core.checks import is_int
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
@@ -64,11 +69,15 @@ SPEC_KEYS = (
     "drafter",
     "verification",
     "branches",
+    "kl_budget",
     *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
 )
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 #: The spec's own keys (the rest of SPEC_KEYS are method parameters).
-_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches")
+_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches", "kl_budget")
+#: The methods that take ``kl_budget``, and the verifications it is spent on.
+BUDGET_METHODS = ("cactus",)
+BUDGET_VERIFICATIONS = ("chain", "block")
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,9 @@ class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
     filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
     ``drafter`` (None for ``ar``), ``verification`` (None for ``ar``) and ``branches`` (a
-    tree's nodes per depth; 1 unless it drafts trees). Build one with
-    ``parse_spec`` or ``DecodeSpec.of``."""
+    tree's nodes per depth; 1 unless it drafts trees) and ``kl_budget`` (the answer's
+    divergence budget in nats, None: none). Build one with ``parse_spec`` or
+    ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
     params: tuple[tuple[str, ParamValue], ...] = field(
@@ -87,6 +97,7 @@ class DecodeSpec:
     drafter: str | None = "model"
     verification: str | None = "chain"
     branches: int = 1
+    kl_budget: float | None = None
 
     def __post_init__(self) -> None:
         names = sorted(get_method(self.method).defaults)
@@ -129,8 +140,9 @@ class DecodeSpec:
 
     def as_dict(self) -> dict:
         """JSON-ready: method, params, num_draft_tokens, drafter, verification (and branches,
-        for trees)."""
+        for trees, and kl_budget, when set)."""
         tree = {"branches": self.branches} if self.trees else {}
+        budget = {} if self.kl_budget is None else {"kl_budget": self.kl_budget}
         return {
             "method": self.method,
             "params": dict(self.params),
@@ -138,6 +150,7 @@ class DecodeSpec:
             "drafter": self.drafter,
             "verification": self.verification,
             **tree,
+            **budget,
         }
 
 
@@ -145,7 +158,13 @@ def _no_k(spec: DecodeSpec) -> DecodeSpec:
     if not spec.drafts:
         return spec
     return DecodeSpec(
-        spec.method, spec.params, None, spec.drafter, spec.verification, spec.branches
+        spec.method,
+        spec.params,
+        None,
+        spec.drafter,
+        spec.verification,
+        spec.branches,
+        spec.kl_budget,
     )
 
 
@@ -196,6 +215,9 @@ def parse_spec(
     drafter = given.get("drafter")
     verification = _verification(given.get("verification"), method, typed, label, base)
     k = _num_draft_tokens(k, text, label) if k is not None else _base_k(base)
+    budget = given.get("kl_budget")
+    if budget is None and "method" not in given:
+        budget = base.kl_budget
     return DecodeSpec(
         method,
         tuple(typed.items()),
@@ -203,6 +225,7 @@ def parse_spec(
         _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
         verification,
         _branches(given.get("branches"), verification, text, label, base),
+        None if budget is None else _kl_budget(budget, method, verification, text, label),
     )
 
 
@@ -252,6 +275,23 @@ def _verification(
             f"({takers}), not {method}; {method} verifies chains"
         )
     return chosen
+
+
+def _kl_budget(
+    value: object, method: str, verification: str, text: bool, label: Callable[[str], str]
+) -> float:
+    """The answer's budget (checked): Cactus only, on chains and blocks."""
+    name = label("kl_budget")
+    if method not in BUDGET_METHODS:
+        raise ValueError(f"{name} applies to method {', '.join(BUDGET_METHODS)}, not {method}")
+    if verification not in BUDGET_VERIFICATIONS:
+        allowed = ", ".join(BUDGET_VERIFICATIONS)
+        raise ValueError(
+            f"{name} is spent on verification {allowed}, not {verification} (not yet on trees)"
+        )
+    if text and isinstance(value, str):
+        value = _from_text(value.strip(), float)  # check_budget names what does not read
+    return check_budget(value, name)
 
 
 def _branches(

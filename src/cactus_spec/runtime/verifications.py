@@ -17,6 +17,9 @@ stepper asks the row's kind; nothing guesses it from a draft's shape.
 - ``TREE``: a draft tree judged top down (``core.tree_verification``).
 - ``TRAVERSAL``: the tree judged leaf to root, each path as a whole
   (``core.traversal_verification``).
+- ``Budgeted``: a Cactus chain or block under the row's answer budget (``core.budget``):
+  each drafted position is judged towards Cactus at the delta the budget gives it, and the
+  positions that emitted are charged their laws' exact KL.
 
 Every kind is judged on its row alone: a row's law depends on its own spec, sampling and
 seed, never on its neighbours' kinds.
@@ -29,7 +32,8 @@ from torch import Tensor
 
 from cactus_spec.core.audit import kl, step_divergences
 from cactus_spec.core.block_verification import verify_block
-from cactus_spec.core.rules import Rule, draft_row
+from cactus_spec.core.budget import Budget, Plan
+from cactus_spec.core.rules import Rule, SpS, draft_row
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.traversal_verification import verify_traversal
@@ -128,8 +132,42 @@ class Traversal(Tree):
     walk = staticmethod(verify_traversal)
 
 
+class Budgeted(Verification):
+    """A chain (or a block) whose Cactus deltas come from the row's answer budget: judged
+    SpS-wise against the planned targets (generalised speculative sampling towards each
+    position's h, or the block's targets), then charged for the positions that emitted."""
+
+    def __init__(self, budget: Budget, block: bool) -> None:
+        super().__init__()
+        self.budget, self.block = budget, block
+        self.name = "block" if block else "chain"
+        self.plan: Plan | None = None
+
+    def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
+        k = len(draft.tokens)
+        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
+        self.plan = self.budget.plan(q[:k], ids, draft.probs, self.block)
+        return torch.cat([self.plan.targets.to(q.dtype), q[k:]])  # [K+1, V]
+
+    def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
+        ids, p = _one_row(draft, judged.device)
+        if self.block:
+            return _kept(verify_block(ids, judged[None], p, generator, False))
+        result = verify(ids, judged[None], SpS(), p, generator, greedy=greedy, validate=False)
+        return _kept(result)
+
+    def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
+        positions = min(count, len(draft.tokens))
+        self.budget.charge(self.plan, positions)
+        return torch.tensor(self.plan.costs[:positions], dtype=torch.float64)
+
+
 def verification_of(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
     """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring)."""
+    if spec.kl_budget is not None and not sampling.greedy:
+        cactus = spec.rule
+        budget = Budget(spec.kl_budget, cap=cactus.delta, exact=cactus.exact)
+        return Budgeted(budget, block=spec.verification == "block")
     if spec.trees and spec.branches > 1:
         return (Tree if spec.verification == "tree" else Traversal)(spec.branches)
     if spec.verification in ("block", "traversal") and not sampling.greedy:

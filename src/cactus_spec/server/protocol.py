@@ -430,8 +430,13 @@ def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> Decode
     try:
         return parse_spec(options, base=base)
     except ValueError as err:
-        param = _K if str(err).startswith("num_draft_tokens") else "speculative"
+        named = [key for key in _NAMED if str(err).startswith(key)]
+        param = f"speculative.{named[0]}" if named else "speculative"
         raise APIError(400, f"speculative: {err}", param) from None
+
+
+#: The keys a bad ``speculative`` value is named by in the error's ``param``.
+_NAMED = ("num_draft_tokens", "kl_budget")
 
 
 _K = "speculative.num_draft_tokens"

@@ -55,7 +55,12 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
             )
     if "branches" in values:
         raise ValueError(f"{prefix}branches does not apply in vLLM: it drafts one chain")
-    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches")]
+    if "kl_budget" in values:
+        raise ValueError(
+            f"{prefix}kl_budget does not apply in vLLM yet: the plugin spends delta per "
+            "position; an answer's budget is cactus-spec's own engine and server"
+        )
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches", "kl_budget")]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
