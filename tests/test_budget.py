@@ -174,7 +174,10 @@ def test_an_answer_never_spends_more_than_its_budget(engine, verification) -> No
     """Negative control: per-position Cactus at the same delta spends more over the answers."""
     total = 0.05
     budgeted = DecodeSpec.of("cactus", kl_budget=total, verification=verification)
-    spent = [decode(engine, budgeted, seed).stats.kl_nats for seed in range(3)]
+    stats = [decode(engine, budgeted, seed).stats for seed in range(3)]
+    spent = [s.kl_nats for s in stats]
     assert all(0 < s <= total * (1 + 1e-9) for s in spent), spent
+    reported = stats[0].as_dict()
+    assert reported["kl_budget"] == total and reported["tv_bound"] == pytest.approx(0.158113883)
     plain = DecodeSpec.of("cactus", verification=verification)
     assert max(decode(engine, plain, seed).stats.kl_nats for seed in range(3)) > total

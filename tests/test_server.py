@@ -325,6 +325,27 @@ def test_a_bad_parameter_gets_400_naming_it(one: Served, change, param, words) -
     assert answer["error"]["type"] == "invalid_request_error"
 
 
+def test_an_answers_budget_is_reported_with_its_bound(one: Served) -> None:
+    """usage.speculative gives the budget and Pinsker's bound, and the KL spent stays within
+    it; without a budget neither is reported (the control)."""
+
+    def usage(speculative: dict) -> dict:
+        answer = one.client.completions.create(
+            model=MODEL_ID,
+            prompt="def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+            max_tokens=24,
+            temperature=1.0,
+            seed=3,
+            extra_body={"top_k": 20, "speculative": speculative},
+        )
+        return answer.usage.model_extra["speculative"]
+
+    budgeted = usage({"method": "cactus", "kl_budget": 0.1})
+    assert budgeted["kl_budget"] == 0.1 and budgeted["tv_bound"] == pytest.approx(0.1**0.5 / 2**0.5)
+    assert 0 <= budgeted["kl_nats"] <= 0.1 * (1 + 1e-9)
+    assert "kl_budget" not in usage({"method": "cactus"})
+
+
 def test_malformed_json_unknown_model_and_a_missing_field(one: Served) -> None:
     status, answer = raw_post(f"{one.url}/v1/completions", b'{"model": "smollm2-135m", ')
     assert status == 400 and "not valid JSON" in answer["error"]["message"]

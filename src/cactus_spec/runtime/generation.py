@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from cactus_spec.core.budget import pinsker_bound
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
@@ -45,6 +46,9 @@ class GenerationStats:
       emitted a token (see the module docstring);
     - ``time_grammar_s``: wall time computing and applying the grammar's masks (part of
       the draft and verify times it happened in);
+    - ``kl_budget``: the answer's divergence budget in nats when its spec sets one
+      (``core.budget``; ``kl_nats`` never exceeds it), and ``tv_bound``, sqrt(budget / 2):
+      how far the budget lets the probability of any event move from the verifier's;
     - ``cached_prompt_tokens`` / ``draft_cached_prompt_tokens``: prompt tokens the verifier
       / the draft model did not read because their row's cache held them from an earlier
       sequence (prefix caching, ``prefixes``).
@@ -62,6 +66,7 @@ class GenerationStats:
     time_grammar_s: float = 0.0
     time_total_s: float = 0.0
     kl_nats: float = 0.0
+    kl_budget: float | None = None
     cached_prompt_tokens: int = 0
     draft_cached_prompt_tokens: int = 0
 
@@ -90,6 +95,11 @@ class GenerationStats:
     def kl_nats_per_token(self) -> float:
         return self.kl_nats / self.new_tokens if self.new_tokens else 0.0
 
+    @property
+    def tv_bound(self) -> float | None:
+        """Pinsker's bound on |P(A) - Q(A)| for any event A the budget allows; None without."""
+        return None if self.kl_budget is None else pinsker_bound(self.kl_budget)
+
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """Count one iteration that drafted ``drafted`` tokens, accepted ``accepted`` of them
         and emitted the first ``emitted`` of its ``accepted + 1`` tokens."""
@@ -115,6 +125,7 @@ class GenerationStats:
             "time_other_s",
             "tokens_per_s",
             "kl_nats_per_token",
+            "tv_bound",
         )
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
@@ -185,7 +196,7 @@ class Generation:
         self.penalties = penalties if penalties is not None and penalties.active else None
         self._prompt_tokens: torch.Tensor | None = None  # [V] bool, for the repetition penalty
         self.constraint = constraint  # the grammar the output must match (``grammar``)
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(kl_budget=spec.kl_budget)
         self.streamed = ""
         self.done = False
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"

@@ -121,11 +121,14 @@ class Answer:
 
     def usage(self, results: Sequence[GenerationResult]) -> dict:
         """Tokens and speculation figures, summed over the choices; each prompt counted once,
-        its cached tokens as its first choice found them."""
+        its cached tokens as its first choice found them. With an answer's budget, the budget
+        (each choice's) and the bound it puts on any event's probability."""
         stats = [r.stats for r in results]
         completion = sum(len(r.token_ids) for r in results)
         iterations = sum(s.iterations for s in stats)
         accepted = sum(s.accepted for s in stats)
+        budget = stats[0].kl_budget if stats else None  # every choice has the request's
+        bound = {} if budget is None else {"kl_budget": budget, "tv_bound": stats[0].tv_bound}
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -139,6 +142,7 @@ class Answer:
                 "accepted_tokens": accepted,
                 "mean_accepted_length": accepted / iterations if iterations else 0.0,
                 "kl_nats": sum(s.kl_nats for s in stats),
+                **bound,
             },
         }
 
