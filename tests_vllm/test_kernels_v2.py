@@ -106,15 +106,15 @@ def verify(kernels, specs, drafts, q_rows, p_rows=None, seeds=None, block=False,
         cu_num_logits=torch.arange(0, lines + 1, k + 1, dtype=torch.int32, device=DEVICE),
         pos=(torch.arange(k + 1).repeat(rows) + 7).to(DEVICE),
         idx_mapping=torch.arange(rows, dtype=torch.int32, device=DEVICE),
-        expanded_idx_mapping=torch.arange(rows, dtype=torch.int32).repeat_interleave(k + 1),
-        expanded_local_pos=torch.arange(k + 1, dtype=torch.int32).repeat(rows),
+        expanded_idx_mapping=torch.arange(rows, dtype=torch.int32)
+        .repeat_interleave(k + 1)
+        .to(DEVICE),
+        expanded_local_pos=torch.arange(k + 1, dtype=torch.int32).repeat(rows).to(DEVICE),
         temperature=torch.ones(rows, device=DEVICE),
         seed=seeds.to(DEVICE),
         num_speculative_steps=k,
         use_block_verification=block,
     )
-    call["expanded_idx_mapping"] = call["expanded_idx_mapping"].to(DEVICE)
-    call["expanded_local_pos"] = call["expanded_local_pos"].to(DEVICE)
     sample = sampler_v2.make_rejection_sample(kernels, meter or Meter())
     sampler_v2.Current.requests = {i: (f"r{i}", spec) for i, spec in enumerate(specs)}
     try:

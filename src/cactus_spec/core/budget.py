@@ -37,8 +37,6 @@ from cactus_spec.core.rules import Cactus
 
 #: How many times a delta is halved before the position falls back to SpS.
 _HALVINGS = 30
-#: Allocations of what is left to a chain's positions.
-ALLOCATIONS = ("greedy",)
 
 
 @dataclass(frozen=True)
