@@ -20,6 +20,8 @@ KINDS = [
     *(DecodeSpec.of(m) for m in ("sps", "cactus", "tas", "interp", "topk")),
     *(DecodeSpec.of(m, verification="block") for m in ("sps", "cactus")),
     *(DecodeSpec.of("cactus", kl_budget=0.1, verification=v) for v in ("chain", "block")),
+    DecodeSpec.of("cactus", kl_budget=0.1, allocation="paced"),
+    DecodeSpec.of("cactus", kl_budget=0.1, verification="tree", branches=2),
     *(
         DecodeSpec.of(m, verification=v, branches=2)
         for m in ("sps", "cactus")

@@ -253,3 +253,20 @@ def test_a_grid_file_that_names_no_verifier_takes_the_runs_format(tmp_path) -> N
     assert {c.verifier for c in load_grid_file(path)} == {"none"}  # control: the default
     path.write_text('verifier = ["int4"]\n[[methods]]\nmethod = "sps"\n')
     assert {c.verifier for c in load_grid_file(path, "int8")} == {"int4"}  # the file's own
+
+
+def test_cactus_entries_take_an_answers_budget() -> None:
+    grid = expand([parse_entry("cactus:kl_budget=0.1,2:allocation=greedy,paced")], [6])
+    assert ids(grid)[:2] == [
+        "cactus(allocation=greedy,delta=1.0,exact=false,kl_budget=0.1)/K6/model",
+        "cactus(allocation=paced,delta=1.0,exact=false,kl_budget=0.1)/K6/model",
+    ]
+    assert (grid[3].spec.kl_budget, grid[3].spec.allocation) == (2.0, "paced")
+    assert Config.from_dict(grid[3].as_dict()) == grid[3]
+    assert "kl_budget" not in expand([parse_entry("cactus")], [6])[0].as_dict()["params"]
+    with pytest.raises(ValueError, match="sps does not take kl_budget"):
+        expand([parse_entry("sps:kl_budget=0.1")], [6])
+    with pytest.raises(ValueError, match="allocation applies with kl_budget only"):
+        expand([parse_entry("cactus:allocation=paced")], [6])
+    with pytest.raises(ValueError, match="kl_budget must be a finite number >= 0"):
+        expand([parse_entry("cactus:kl_budget=-1")], [6])

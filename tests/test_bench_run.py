@@ -18,6 +18,7 @@ from cactus_spec.bench.runner import BenchSettings, run_bench, schedule
 from cactus_spec.bench.store import RESULTS_FILE, RUN_FILE, RunMismatchError
 from cactus_spec.bench.tasks import Item, TaskSpec, load_items
 from cactus_spec.cli import main
+from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.loading.models import load_model
 
 GRID = [
@@ -305,3 +306,27 @@ def test_an_unknown_model_to_fetch_is_one_error_line(capsys) -> None:
     assert main(["models", "fetch", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown model 'nope'") and err.count("\n") == 1
+
+
+def test_one_run_compares_answer_budgets_with_sps(prompts: Path, models, tmp_path) -> None:
+    """Budgeted Cactus beside SpS: each answer's KL within its budget, the Pinsker bound and
+    the per-item speed over SpS in the summary, and the budget table in summary.md."""
+    grid = ["sps", "cactus:kl_budget=0.01,0.2:allocation=greedy,paced", "cactus"]
+    config = BenchSettings(
+        TaskSpec("prompts", 2, path=str(prompts)),
+        expand([parse_entry(spec) for spec in grid], [3]),
+        SamplingConfig(temperature=1.0, top_k=0, top_p=1.0),
+        max_new_tokens=16,
+    )
+    summary = run(config, models, tmp_path / "o")
+    budgeted = [c for c in summary["configs"] if "kl_budget" in c]
+    assert len(budgeted) == 4
+    for c in budgeted:
+        assert 0 <= c["kl_nats_per_sequence_max"] <= c["kl_budget"] * (1 + 1e-9), c["id"]
+        assert c["tv_bound"] == pytest.approx((c["kl_budget"] / 2) ** 0.5)
+        assert len(c["speedup_vs_sps"]) == 3
+    plain = next(
+        c for c in summary["configs"] if c["id"] == "cactus(delta=1.0,exact=false)/K3/model"
+    )
+    assert "kl_budget" not in plain and plain["kl_nats_per_sequence_max"] > 0.2  # can fail
+    assert "## An answer's divergence budget" in (tmp_path / "o" / "summary.md").read_text()

@@ -1,6 +1,7 @@
 """The per-answer KL budget (core.budget, ``kl_budget``): the exact law of whole two-token
-answers stays within B of the verifier's, budget 0 is SpS (in the engine token for token),
-and no answer spends more than B."""
+answers stays within B of the verifier's on chains, blocks and trees and with either
+allocation, budget 0 is SpS (in the engine token for token), and no answer spends more
+than B."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from cactus_spec.core.audit import kl, step_law
-from cactus_spec.core.budget import Budget, check_budget, pinsker_bound
+from cactus_spec.core.budget import ALLOCATIONS, Budget, check_budget, pinsker_bound
 from cactus_spec.core.rules import Cactus
 from cactus_spec.core.sampling import SamplingConfig, one_hot
 from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.core.tree_verification import TokenTree
 from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
@@ -38,19 +40,26 @@ def answer_law(p1, q1, p2, q2, delta_of) -> torch.Tensor:
     return first[:, None] * second  # [V, V]
 
 
+def chain_plan(budget: Budget, q, ids, p, block: bool = False):
+    """``budget``'s plan for a chain drafting ``ids`` [K] at q's rows [K, V] (p [K, V] or
+    None), with a bonus row (q's last) after them."""
+    rows = torch.cat([q, q[-1:]])  # [K+1, V]
+    return budget.plan(TokenTree.chain(ids.tolist()), rows, p, block)
+
+
 def budgeted(p1, q1, p2, q2, total: float):
     """delta_of for a Budget of ``total``: position 1 planned with all of it, position 2 with
     what position 1's law cost (the same whether the chain went on or started again)."""
     budget = Budget(total)
     any_draft = torch.tensor([0])
-    first = budget.plan(q1[None], any_draft, p1[None])
-    budget.charge(first, 1)
+    first = chain_plan(budget, q1[None], any_draft, p1[None])
+    budget.charge(first, [0], 1)
 
     def delta_of(x):
         if x is None:
             return first.deltas[0]
         after = Budget(total, spent=budget.spent)
-        return after.plan(q2[x][None], any_draft, p2[x][None]).deltas[0]
+        return chain_plan(after, q2[x][None], any_draft, p2[x][None]).deltas[0]
 
     return delta_of
 
@@ -72,7 +81,8 @@ def test_the_budget_is_spent_where_it_is_left() -> None:
     leaves some for the next, and one at 0 leaves nothing."""
     p1, q1, p2, q2 = tables(4)
     budget = Budget(0.05)
-    plan = budget.plan(torch.stack([q1, q2[0]]), torch.tensor([0, 1]), torch.stack([p1, p2[0]]))
+    q, p = torch.stack([q1, q2[0]]), torch.stack([p1, p2[0]])
+    plan = chain_plan(budget, q, torch.tensor([0, 1]), p)
     assert plan.costs[0] > 0 and sum(plan.costs) <= 0.05 * (1 + 1e-9)
     assert plan.deltas[1] <= 0.05 - plan.costs[0] + 1e-12
 
@@ -80,20 +90,21 @@ def test_the_budget_is_spent_where_it_is_left() -> None:
 def test_budget_zero_is_sps_row_for_row() -> None:
     p1, q1, p2, q2 = tables(5)
     q = torch.stack([q1, q2[2]])  # [2, V]
-    plan = Budget(0.0).plan(q, torch.tensor([3, 1]), torch.stack([p1, p2[2]]))
-    assert plan.deltas == [0.0, 0.0] and plan.costs == [0.0, 0.0]
-    assert torch.equal(plan.targets, q)
-    lossy = Budget(0.5).plan(q, torch.tensor([3, 1]), torch.stack([p1, p2[2]]))
-    assert not torch.equal(lossy.targets, q)  # the check can fail
+    plan = chain_plan(Budget(0.0), q, torch.tensor([3, 1]), torch.stack([p1, p2[2]]))
+    assert plan.deltas == [0.0] * 3 and plan.costs == [0.0] * 3
+    assert torch.equal(plan.targets[:2], q)
+    lossy = chain_plan(Budget(0.5), q, torch.tensor([3, 1]), torch.stack([p1, p2[2]]))
+    assert not torch.equal(lossy.targets[:2], q)  # the check can fail
 
 
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
 @pytest.mark.parametrize("exact", [False, True])
-def test_no_path_spends_more_than_the_budget(exact: bool) -> None:
+def test_no_path_spends_more_than_the_budget(exact: bool, allocation: str) -> None:
     """Long random answers of one-hot and probabilistic chains (top-8 verifiers), each
     chain keeping a random number of its drafts: what is charged never passes B."""
     gen = torch.Generator().manual_seed(6)
     for total in (0.01, 0.3, 2.0):
-        budget = Budget(total, cap=0.5, exact=exact)
+        budget = Budget(total, cap=0.5, exact=exact, allocation=allocation, length=200)
         for step in range(40):
             k = 4
             logits = 2 * torch.randn(k, 30, generator=gen)
@@ -101,11 +112,12 @@ def test_no_path_spends_more_than_the_budget(exact: bool) -> None:
             q = torch.where(q < 1e-30, torch.zeros_like(q), q)
             ids = torch.multinomial(q, 1, generator=gen).squeeze(-1)
             p = None if step % 2 else torch.softmax(torch.randn(k, 30, generator=gen), -1)
-            plan = budget.plan(q, ids, p)
+            plan = chain_plan(budget, q, ids, p)
             assert all(d <= 0.5 for d in plan.deltas)
-            budget.charge(plan, int(torch.randint(0, k + 1, (1,), generator=gen)))
+            kept = int(torch.randint(0, k + 1, (1,), generator=gen))
+            budget.charge(plan, list(range(kept + 1)), kept + 1)
             assert budget.spent <= total * (1 + 1e-9)
-        assert budget.spent > 0.5 * total  # it does spend
+        assert budget.spent > 0.25 * total  # it does spend (paced: about its share so far)
 
 
 def test_one_hot_drafts_are_charged_their_own_law() -> None:
@@ -113,10 +125,62 @@ def test_one_hot_drafts_are_charged_their_own_law() -> None:
     the charge (not the step law over a probabilistic p)."""
     _, q1, _, _ = tables(7)
     n = torch.tensor([int(q1.argsort()[1])])
-    plan = Budget(0.2).plan(q1[None], n, None)
+    plan = chain_plan(Budget(0.2), q1[None], n, None)
     law = step_law(one_hot(n, V).double(), q1[None], Cactus(plan.deltas[0]))[0]
     assert plan.costs[0] == pytest.approx(float(kl(law, q1)), rel=1e-6)
     assert 0 < plan.costs[0] <= 0.2
+
+
+def tree_law(p1, q1, p2, q2, total: float, allocation: str, per_position: float | None = None):
+    """The exact law [V, V] of a two-token answer of a budgeted tree (blocks and trees emit
+    each row's target): the root row emits t_root; after x1 the row is x1's node's when x1 was
+    drafted with children, else the next iteration's root, planned with what x1 left. Both
+    plans are built and must agree (so the law does not depend on the draws). ``per_position``:
+    Cactus's block target at that delta everywhere instead (the negative control)."""
+    if per_position is not None:
+        rule = Cactus(per_position)
+        first = rule.block_target(q1[None], torch.tensor([0]), p1[None])[0]
+        second = torch.stack(
+            [rule.block_target(q2[x][None], torch.tensor([0]), p2[x][None])[0] for x in range(V)]
+        )
+        return first.double()[:, None] * second.double()
+    rows = []
+    for x1 in range(V):
+        tree = TokenTree((x1, (x1 + 1) % V, 0), (-1, -1, 0))  # x1 (with a child) and a sibling
+        q = torch.stack([q1, q2[x1], q2[(x1 + 1) % V], q2[0]])  # [N+1, V]
+        p = torch.stack([p1, p1, p2[x1]])  # [N, V]: each node's draft row
+        budget = Budget(total, cap=1.0, allocation=allocation, length=8)
+        plan = budget.plan(tree, q, p, block=True)
+        budget.charge(plan, [0], 1)  # x1 emitted at the root row
+        again = budget.plan(TokenTree.chain([0]), q2[x1][None].expand(2, V), p2[x1][None], True)
+        assert torch.allclose(plan.targets[1], again.targets[0])  # in the tree = after it
+        rows.append((plan.targets[0], plan.targets[1]))
+    first = rows[0][0].double()  # the root's row is planned alike in every tree
+    return first[:, None] * torch.stack([second.double() for _, second in rows])
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("total", [0.02, 0.3])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_trees_answer_stays_within_the_budget(allocation, total, seed) -> None:
+    p1, q1, p2, q2 = tables(seed)
+    verifier = (q1[:, None] * q2).double()  # [V, V]
+    law = tree_law(p1, q1, p2, q2, total, allocation)
+    assert float(kl(law.flatten(), verifier.flatten())) <= total * (1 + 1e-6)
+    assert float(kl(law.flatten(), verifier.flatten())) > 0  # it spends
+    control = tree_law(p1, q1, p2, q2, total, allocation, per_position=total)
+    assert float(kl(control.flatten(), verifier.flatten())) > total
+
+
+def test_paced_rows_get_a_share_of_what_is_left() -> None:
+    """Paced: a row may cost what is left over the tokens still to come; greedy: all of it."""
+    p1, q1, _, _ = tables(8)
+    n = torch.tensor([0])
+    greedy = chain_plan(Budget(0.05), q1[None], n, p1[None])
+    paced = chain_plan(Budget(0.05, allocation="paced", length=100), q1[None], n, p1[None])
+    assert paced.costs[0] <= 0.05 / 100 < greedy.costs[0]
+    unknown = chain_plan(Budget(0.05, allocation="paced"), q1[None], n, p1[None])  # no length
+    assert unknown.costs == greedy.costs
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.5", True, None])
@@ -181,3 +245,31 @@ def test_an_answer_never_spends_more_than_its_budget(engine, verification) -> No
     assert reported["kl_budget"] == total and reported["tv_bound"] == pytest.approx(0.158113883)
     plain = DecodeSpec.of("cactus", verification=verification)
     assert max(decode(engine, plain, seed).stats.kl_nats for seed in range(3)) > total
+
+
+@pytest.mark.parametrize("verification", ["tree", "traversal"])
+def test_a_budgeted_tree_is_sps_at_zero_and_never_spends_more(verification) -> None:
+    """Tiny models (a noisy copy drafts trees of depth 3, two nodes a depth), temperature 1:
+    budget 0 is SpS token for token, a budget is never overspent; negative control: per-position
+    Cactus spends more."""
+    from conftest import make_tiny_lm
+    from test_engine import PROMPT as TINY_PROMPT
+    from test_engine import noisy_copy
+
+    target = make_tiny_lm()
+    draft = noisy_copy(target, 0.6, seed=1)
+    shape = {"num_draft_tokens": 3, "verification": verification, "branches": 2}
+
+    def run(method: str, seed: int, **values):
+        spec = DecodeSpec.of(method, **shape, **values)
+        decoder = SpeculativeDecoder(target, draft, spec)  # fresh: no reused prefix's rounding
+        return decoder.generate(TINY_PROMPT, 40, 1.0, top_k=0, top_p=1.0, seed=seed)
+
+    for seed in (1, 2):
+        sps = run("sps", seed)
+        assert run("cactus", seed, kl_budget=0).token_ids == sps.token_ids
+    total = 0.05
+    for allocation in ALLOCATIONS:
+        spent = [run("cactus", s, kl_budget=total, allocation=allocation).stats for s in range(3)]
+        assert all(0 < s.kl_nats <= total * (1 + 1e-9) for s in spent), spent
+    assert max(run("cactus", seed).stats.kl_nats for seed in range(3)) > total

@@ -36,6 +36,13 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--method", "tas", "--verification", "block"], "--verification block takes a method"),
         (["--num-draft-tokens", "often"], "--num-draft-tokens must be an integer >= 1 or auto"),
         (["--method", "cactus", "--delta", "-1"], "delta must be a finite number >= 0"),
+        (["--method", "cactus", "--kl-budget", "-1"], "--kl-budget must be a finite number >= 0"),
+        (["--method", "sps", "--kl-budget", "1"], "--kl-budget applies to method cactus"),
+        (["--method", "cactus", "--allocation", "paced"], "--allocation applies with --kl-budget"),
+        (
+            ["--method", "cactus", "--kl-budget", "1", "--allocation", "all"],
+            "--allocation must be one of greedy, paced, got 'all'",
+        ),
         (["--method", "tas", "--epsilon", "2"], r"epsilon must be a number in \[0, 1\]"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1 or auto, got 0"),
         (["--temperature", "-0.5"], "temperature must be >= 0"),

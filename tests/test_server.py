@@ -313,6 +313,11 @@ def one(smollm):
             "kl_budget must be a finite number >= 0",
         ),
         ({"speculative": {"method": "sps", "kl_budget": 1}}, "speculative.kl_budget", "cactus"),
+        (
+            {"speculative": {"method": "cactus", "kl_budget": 1, "allocation": "all"}},
+            "speculative.allocation",
+            "allocation must be one of greedy, paced",
+        ),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     ],
 )
@@ -340,9 +345,11 @@ def test_an_answers_budget_is_reported_with_its_bound(one: Served) -> None:
         )
         return answer.usage.model_extra["speculative"]
 
-    budgeted = usage({"method": "cactus", "kl_budget": 0.1})
-    assert budgeted["kl_budget"] == 0.1 and budgeted["tv_bound"] == pytest.approx(0.1**0.5 / 2**0.5)
-    assert 0 <= budgeted["kl_nats"] <= 0.1 * (1 + 1e-9)
+    for allocation in ("greedy", "paced"):
+        budgeted = usage({"method": "cactus", "kl_budget": 0.1, "allocation": allocation})
+        bound = budgeted["tv_bound"]
+        assert budgeted["kl_budget"] == 0.1 and bound == pytest.approx(0.1**0.5 / 2**0.5)
+        assert 0 <= budgeted["kl_nats"] <= 0.1 * (1 + 1e-9)
     assert "kl_budget" not in usage({"method": "cactus"})
 
 

@@ -97,6 +97,7 @@ def test_none_values_count_as_not_given():
 def test_spec_keys_hold_every_registry_parameter():
     params = {p.name for m in METHODS.values() for p in m.params}
     own = {"method", "num_draft_tokens", "drafter", "verification", "branches", "kl_budget"}
+    own |= {"allocation"}
     assert own | params == set(SPEC_KEYS)
 
 
@@ -127,20 +128,26 @@ def test_k_auto_leaves_the_draft_length_to_a_policy():
         parse_spec({"num_draft_tokens": "often"})
 
 
-def test_an_answers_budget_is_cactus_on_chains_and_blocks():
+def test_an_answers_budget_is_cactus_with_an_allocation():
     spec = parse_spec({"method": "cactus", "kl_budget": "0.25", "delta": "0.5"}, text=True)
-    assert (spec.kl_budget, spec.rule.delta) == (0.25, 0.5)
+    assert (spec.kl_budget, spec.rule.delta, spec.allocation) == (0.25, 0.5, "greedy")
     assert spec.as_dict()["kl_budget"] == 0.25 and "kl_budget" not in DecodeSpec().as_dict()
     assert parse_spec({"num_draft_tokens": 4}, base=spec).kl_budget == 0.25  # kept
     assert parse_spec({"method": "cactus"}, base=spec).kl_budget is None  # a new method
+    paced = parse_spec({"method": "cactus", "kl_budget": 1, "allocation": " paced"}, text=True)
+    assert paced.as_dict()["allocation"] == "paced" and DecodeSpec().allocation is None
+    assert parse_spec({"num_draft_tokens": 4}, base=paced).allocation == "paced"
+    tree = DecodeSpec.of("cactus", kl_budget=0.1, verification="traversal")
+    assert tree.trees and tree.kl_budget == 0.1
     for values, message in [
         ({"method": "sps", "kl_budget": 0.1}, "kl_budget applies to method cactus, not sps"),
         ({"method": "cactus", "kl_budget": -1}, "kl_budget must be a finite number >= 0"),
         ({"method": "cactus", "kl_budget": "x"}, "kl_budget must be a finite number >= 0"),
         (
-            {"method": "cactus", "kl_budget": 0.1, "verification": "tree"},
-            "kl_budget is spent on verification chain, block, not tree",
+            {"method": "cactus", "kl_budget": 0.1, "allocation": "lavish"},
+            "allocation must be one of greedy, paced, got 'lavish'",
         ),
+        ({"method": "cactus", "allocation": "paced"}, "allocation applies with kl_budget only"),
         ({"method": "ar", "kl_budget": 0.1}, "kl_budget does not apply to method ar"),
     ]:
         with pytest.raises(ValueError, match=message):

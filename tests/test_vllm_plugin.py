@@ -57,6 +57,7 @@ def test_nothing_asked_is_the_default_and_no_default_is_vllms_own() -> None:
         ({"cactus_method": "topk", "cactus_verification": "block"}, "cactus_verification block"),
         ({"cactus_branches": 2}, "cactus_branches does not apply in vLLM"),
         ({"cactus_method": "cactus", "cactus_kl_budget": 0.1}, "cactus_kl_budget does not apply"),
+        ({"cactus_method": "cactus", "cactus_allocation": "paced"}, "cactus_allocation does not"),
         ({"cactus_method": "ar"}, "cactus_method ar does not apply in vLLM"),
         ({"cactus_foo": 1}, "unknown key cactus_foo; the keys are cactus_method"),
     ],

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from cactus_spec import isa
 from cactus_spec.backends.quant import QUANTS
+from cactus_spec.core.budget import ALLOCATIONS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
@@ -88,7 +89,13 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         type=float,
         help="cactus: the whole answer's divergence budget in nats (KL of the answer's law "
         "to the verifier's <= it; any metric moves by at most sqrt(budget/2)); --delta caps "
-        "each position; chain or block",
+        "each position",
+    )
+    p.add_argument(
+        "--allocation",
+        help=f"with --kl-budget, each position's share, one of {', '.join(ALLOCATIONS)}: "
+        "greedy (all that is left, default) or paced (what is left spread over the tokens "
+        "still to come)",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]
@@ -388,11 +395,11 @@ def _flag(key: str) -> str:
 
 def _spec(args: argparse.Namespace) -> DecodeSpec:
     """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter,
-    --verification, --branches and --kl-budget."""
+    --verification, --branches, --kl-budget and --allocation."""
     given = {name: getattr(args, name) for name in _method_flags()}
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     given |= {"verification": args.verification, "branches": args.branches}
-    given |= {"kl_budget": args.kl_budget}
+    given |= {"kl_budget": args.kl_budget, "allocation": args.allocation}
     return parse_spec({"method": args.method, **given}, label=_flag)
 
 

@@ -29,7 +29,9 @@ tokens, of the entry's draft model or else the run's: ``sps:draft_vocab=32768``;
 ``--draft-vocab``), or ``verifier`` (the verifier's weights, ``none``, ``int8`` or
 ``int4``; default: ``--verifier-quant``) for every method but llama.cpp's, which runs the
 GGUF itself:
-``cactus:delta=1:verifier=none,int8`` compares both in one run.
+``cactus:delta=1:verifier=none,int8`` compares both in one run. Cactus entries also take
+``kl_budget`` and ``allocation`` (an answer's divergence budget, ``core.budget``):
+``cactus:kl_budget=0.1,0.5:allocation=greedy,paced``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pathlib import Path
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
-from cactus_spec.core.spec import AUTO_K, TREES, DecodeSpec, parse_spec
+from cactus_spec.core.spec import AUTO_K, BUDGET_METHODS, TREES, DecodeSpec, parse_spec
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
@@ -55,6 +57,8 @@ PEERS: dict[str, dict[str, int]] = {
     "llamacpp": {},
     "llamacpp_lookup": {"num_pred_tokens": 10},  # llama-cpp-python's default
 }
+#: The spec's keys an entry of a method with an answer's budget may hold beside its parameters.
+BUDGET_KEYS = ("kl_budget", "allocation")
 #: Every method a grid may name: the engine's, then the peers.
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
@@ -205,6 +209,7 @@ def make_config(
     if method not in NAMES:
         raise ValueError(f"method must be one of {', '.join(NAMES)}, got {method!r}")
     allowed = METHODS[method].defaults if method in METHODS else PEERS[method]
+    allowed = {**allowed, **dict.fromkeys(BUDGET_KEYS)} if method in BUDGET_METHODS else allowed
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         keys = [*allowed, *(_DRAFT_KEYS if method not in NO_DRAFT else ())]
@@ -230,7 +235,7 @@ def make_config(
             judged = {"verification": verification, "branches": branches}
             judged = judged if method not in NO_DRAFT else {}
             spec = parse_spec({"method": method, **params, **drafting, **judged}, text=True)
-            values = dict(spec.params)
+            values = dict(spec.params) | _budget(spec)
         else:
             spec = parse_spec({"method": "sps", **drafting}, text=True)  # a peer's K and drafter
             values = {name: _peer_int(name, params.get(name, d)) for name, d in allowed.items()}
@@ -249,6 +254,13 @@ def make_config(
         spec.branches if method in METHODS else 1,
         draft_vocab,
     )
+
+
+def _budget(spec: DecodeSpec) -> dict[str, object]:
+    """An answer's budget and its allocation as a configuration's parameters, when set."""
+    if spec.kl_budget is None:
+        return {}
+    return {"kl_budget": spec.kl_budget, "allocation": spec.allocation}
 
 
 def _draft_model(method: str, draft: object, drafter: object) -> str | None:

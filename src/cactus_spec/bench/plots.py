@@ -102,7 +102,7 @@ def delta_figure(summary: dict) -> Figure:
     fig = Figure(figsize=(13, 4.5))
     speed_ax, kl_ax = fig.subplots(1, 2)
     configs = [c for c in summary["configs"] if c["n"]]
-    cactus = [c for c in configs if c["method"] == "cactus"]
+    cactus = [c for c in configs if c["method"] == "cactus" and "kl_budget" not in c["params"]]
     if not cactus:
         _empty(speed_ax, "no Cactus configuration in this run")
         _empty(kl_ax, "no Cactus configuration in this run")

@@ -1,5 +1,6 @@
 """A run's summary as markdown (summary.md): the setting, then one table for speed,
-acceptance and divergence, one for accuracy, and one for acceptance by draft position."""
+acceptance and divergence, one for accuracy, one for answers' divergence budgets (when a
+configuration has one), and one for acceptance by draft position."""
 
 from __future__ import annotations
 
@@ -205,6 +206,46 @@ def _setting(summary: dict) -> list[str]:
     return lines
 
 
+BUDGET_HEADER = (
+    "method",
+    "params",
+    "K",
+    "N",
+    "mean accepted",
+    "tokens/s vs SpS: median [min, max]",
+    "KL nats/answer: mean",
+    "max",
+    "budget (nats)",
+    "TV bound sqrt(B/2)",
+    "difference vs AR [95% paired Newcombe]",
+)
+
+
+def budget_table(configs: Sequence[dict]) -> list[str]:
+    """SpS, Cactus and budgeted Cactus side by side: acceptance, speed over SpS, the KL each
+    answer spent, and the bound a budget gives on any event's probability."""
+    rows = []
+    for c in configs:
+        if c["method"] not in ("sps", "cactus") or not c["n"]:
+            continue
+        rows.append(
+            [
+                c["method"],
+                _params(c),
+                _k(c),
+                str(c["n"]),
+                format_number(c.get("mean_accepted")),
+                format_interval(c.get("speedup_vs_sps"), suffix="x"),
+                format_number(c.get("kl_nats_per_sequence"), 3),
+                format_number(c.get("kl_nats_per_sequence_max"), 3),
+                format_number(c.get("kl_budget"), 2),
+                format_number(c.get("tv_bound"), 3),
+                format_interval(c.get("difference_vs_ar"), 3),
+            ]
+        )
+    return markdown_table(BUDGET_HEADER, rows)
+
+
 def render(summary: dict) -> str:
     """The whole summary.md."""
     configs = summary["configs"]
@@ -214,6 +255,8 @@ def render(summary: dict) -> str:
         lines += ["", "## Accuracy", "", *accuracy_table(configs)]
     if summary.get("claim"):
         lines += ["", "## More accepted, same quality?", "", *claim_table(summary)]
+    if any("kl_budget" in c for c in configs):
+        lines += ["", "## An answer's divergence budget", "", *budget_table(configs)]
     lines += ["", "## Acceptance rate by draft position", "", *position_table(configs)]
     lines += ["", "## Notes", ""] + [f"- {note}" for note in summary["notes"] + _legend()]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,9 @@
 Speed: tokens/s per item, and the speedup as the per-item ratio to the verifier alone
 (``ar``) on the same item: median [min, max]. Acceptance and divergence are pooled over
 items: alpha = accepted / reached, mean accepted = accepted / iterations, KL per token =
-sum of KL / sum of new tokens, KL per sequence = mean over items. Accuracy: Wilson
+sum of KL / sum of new tokens, KL per sequence = mean (and max) over items; an answer's
+budget adds its Pinsker bound sqrt(B/2), and drafting configurations their per-item tokens/s
+over chain SpS with the same drafting. Accuracy: Wilson
 interval, and the paired difference from ``ar`` on the items both ran (``stats``), when
 rows carry ``correct`` (and the same for ``correct_fallback``, gsm's last-number reading).
 Batched runs add each configuration's throughput: its tokens over the wall time of its
@@ -19,6 +21,7 @@ from cactus_spec.bench.bound import measured_bound
 from cactus_spec.bench.grid import Config
 from cactus_spec.bench.stats import Interval, median_spread, paired_difference, wilson
 from cactus_spec.bench.tasks import Item
+from cactus_spec.core.budget import pinsker_bound
 
 _SUMMED = ("iterations", "drafted", "accepted", "new_tokens", "kl_nats")
 _SUMMED_TIMES = ("time_draft_s", "time_verify_s", "time_total_s")
@@ -79,7 +82,10 @@ def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
         "time_shares": _shares(totals),
         "kl_nats_per_token": totals["kl_nats"] / max(1, totals["new_tokens"]),
         "kl_nats_per_sequence": statistics.mean(r["kl_nats"] for r in rows.values()),
+        "kl_nats_per_sequence_max": max(r["kl_nats"] for r in rows.values()),
     }
+    budget = dict(config.params).get("kl_budget")
+    out |= {} if budget is None else {"kl_budget": budget, "tv_bound": pinsker_bound(budget)}
     if not config.drafts:
         return out
     reached, accepted = totals["reached_by_position"], totals["accepted_by_position"]
@@ -163,7 +169,9 @@ def summarise(
     ar = by_config[reference] if reference else None
     scored = any("correct" in row for rows in by_config.values() for row in rows.values())
     configs = [
-        summarise_config(c, by_config[c.id], ar, scored) | _throughput(c, batches, wanted)
+        summarise_config(c, by_config[c.id], ar, scored)
+        | _throughput(c, batches, wanted)
+        | _versus_sps(c, grid, by_config)
         for c in grid
     ]
     return {
@@ -175,6 +183,26 @@ def summarise(
         "claim": claim_check(configs, reference) if scored else [],
         "notes": _notes(grid, reference, meta),
     }
+
+
+def _versus_sps(config: Config, grid: Sequence[Config], by_config: dict[str, Rows]) -> dict:
+    """A drafting configuration's per-item tokens/s over chain SpS's with the same drafting
+    (K, drafter, draft model and head, verifier), when the run holds one: median [min, max]."""
+    same = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "verifier")
+    sps = next(
+        (
+            c
+            for c in grid
+            if c.method == "sps"
+            and c.verification == "chain"
+            and all(getattr(c, key) == getattr(config, key) for key in same)
+        ),
+        None,
+    )
+    if not config.drafts or sps is None or sps.id == config.id:
+        return {}
+    ratio = speed_ratio(by_config[config.id], by_config[sps.id])
+    return {} if ratio is None else {"speedup_vs_sps": ratio.as_list()}
 
 
 #: The paper's claim: this much more accepted per iteration than SpS, at the verifier's quality.

@@ -24,8 +24,10 @@ value is converted, checked and its error worded in one place:
 - ``branches``: the tree's nodes per depth, an integer >= 1 (trees only).
 - ``kl_budget``: Cactus only, a divergence budget in nats for the whole answer
   (``core.budget``): each drafted position's delta comes from what is left of it (``delta``
-  caps each position), so KL(answer law || verifier's) <= kl_budget on every path. Chains
-  and blocks; None: no budget (each position within delta).
+  caps each position), so KL(answer law || verifier's) <= kl_budget on every path. Every
+  verification; None: no budget (each position within delta).
+- ``allocation``: with ``kl_budget``, how each position's share is set from what is left,
+  one of ``core.budget.ALLOCATIONS`` (default ``greedy``).
 
 Values come typed (JSON, TOML, Python) or, with ``text=True``, as text from a command line
 or lm-eval's model args ("0.5", "true").
@@ -38,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from cactus_spec.core.budget import check_budget
+from cactus_spec.core.budget import ALLOCATIONS, check_allocation, check_budget
 from cactus_spec.core.checks import is_int
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
@@ -70,14 +72,22 @@ SPEC_KEYS = (
     "verification",
     "branches",
     "kl_budget",
+    "allocation",
     *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
 )
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 #: The spec's own keys (the rest of SPEC_KEYS are method parameters).
-_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches", "kl_budget")
-#: The methods that take ``kl_budget``, and the verifications it is spent on.
+_OWN_KEYS = (
+    "method",
+    "num_draft_tokens",
+    "drafter",
+    "verification",
+    "branches",
+    "kl_budget",
+    "allocation",
+)
+#: The methods that take ``kl_budget``.
 BUDGET_METHODS = ("cactus",)
-BUDGET_VERIFICATIONS = ("chain", "block")
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,9 @@ class DecodeSpec:
     """How to decode: ``method`` with every one of its ``params`` (sorted by name, defaults
     filled), ``num_draft_tokens`` (K; 0 for ``ar``; None: a serving policy picks it),
     ``drafter`` (None for ``ar``), ``verification`` (None for ``ar``) and ``branches`` (a
-    tree's nodes per depth; 1 unless it drafts trees) and ``kl_budget`` (the answer's
-    divergence budget in nats, None: none). Build one with ``parse_spec`` or
+    tree's nodes per depth; 1 unless it drafts trees), ``kl_budget`` (the answer's
+    divergence budget in nats, None: none) and ``allocation`` (how the budget is spent;
+    None without one). Build one with ``parse_spec`` or
     ``DecodeSpec.of``."""
 
     method: str = DEFAULT_METHOD
@@ -98,6 +109,7 @@ class DecodeSpec:
     verification: str | None = "chain"
     branches: int = 1
     kl_budget: float | None = None
+    allocation: str | None = None
 
     def __post_init__(self) -> None:
         names = sorted(get_method(self.method).defaults)
@@ -140,9 +152,10 @@ class DecodeSpec:
 
     def as_dict(self) -> dict:
         """JSON-ready: method, params, num_draft_tokens, drafter, verification (and branches,
-        for trees, and kl_budget, when set)."""
+        for trees, and kl_budget with its allocation, when set)."""
         tree = {"branches": self.branches} if self.trees else {}
         budget = {} if self.kl_budget is None else {"kl_budget": self.kl_budget}
+        budget |= {} if self.kl_budget is None else {"allocation": self.allocation}
         return {
             "method": self.method,
             "params": dict(self.params),
@@ -165,6 +178,7 @@ def _no_k(spec: DecodeSpec) -> DecodeSpec:
         spec.verification,
         spec.branches,
         spec.kl_budget,
+        spec.allocation,
     )
 
 
@@ -215,9 +229,9 @@ def parse_spec(
     drafter = given.get("drafter")
     verification = _verification(given.get("verification"), method, typed, label, base)
     k = _num_draft_tokens(k, text, label) if k is not None else _base_k(base)
-    budget = given.get("kl_budget")
+    budget, allocation = given.get("kl_budget"), given.get("allocation")
     if budget is None and "method" not in given:
-        budget = base.kl_budget
+        budget, allocation = base.kl_budget, allocation or base.allocation
     return DecodeSpec(
         method,
         tuple(typed.items()),
@@ -225,7 +239,8 @@ def parse_spec(
         _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
         verification,
         _branches(given.get("branches"), verification, text, label, base),
-        None if budget is None else _kl_budget(budget, method, verification, text, label),
+        None if budget is None else _kl_budget(budget, method, text, label),
+        _allocation(allocation, budget, text, label),
     )
 
 
@@ -277,21 +292,28 @@ def _verification(
     return chosen
 
 
-def _kl_budget(
-    value: object, method: str, verification: str, text: bool, label: Callable[[str], str]
-) -> float:
-    """The answer's budget (checked): Cactus only, on chains and blocks."""
+def _kl_budget(value: object, method: str, text: bool, label: Callable[[str], str]) -> float:
+    """The answer's budget (checked): Cactus only."""
     name = label("kl_budget")
     if method not in BUDGET_METHODS:
         raise ValueError(f"{name} applies to method {', '.join(BUDGET_METHODS)}, not {method}")
-    if verification not in BUDGET_VERIFICATIONS:
-        allowed = ", ".join(BUDGET_VERIFICATIONS)
-        raise ValueError(
-            f"{name} is spent on verification {allowed}, not {verification} (not yet on trees)"
-        )
     if text and isinstance(value, str):
         value = _from_text(value.strip(), float)  # check_budget names what does not read
     return check_budget(value, name)
+
+
+def _allocation(
+    value: object, budget: object, text: bool, label: Callable[[str], str]
+) -> str | None:
+    """How the budget is spent (checked): None without a budget, else the value or greedy."""
+    if budget is None:
+        if value is not None:
+            raise ValueError(f"{label('allocation')} applies with {label('kl_budget')} only")
+        return None
+    value = ALLOCATIONS[0] if value is None else value
+    return check_allocation(
+        value.strip() if text and isinstance(value, str) else value, label("allocation")
+    )
 
 
 def _branches(

@@ -185,7 +185,8 @@ class Generation:
         self.sampling = sampling
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.spec = spec
-        self.verification: Verification = verification_of(spec, sampling)  # its kind, once
+        # its kind, once
+        self.verification: Verification = verification_of(spec, sampling, max_new_tokens)
         self.eos = eos_ids
         self.tokenizer = tokenizer
         self.stop = list(stop or [])

@@ -17,9 +17,9 @@ stepper asks the row's kind; nothing guesses it from a draft's shape.
 - ``TREE``: a draft tree judged top down (``core.tree_verification``).
 - ``TRAVERSAL``: the tree judged leaf to root, each path as a whole
   (``core.traversal_verification``).
-- ``Budgeted``: a Cactus chain or block under the row's answer budget (``core.budget``):
-  each drafted position is judged towards Cactus at the delta the budget gives it, and the
-  positions that emitted are charged their laws' exact KL.
+- ``Budgeted``: any of these for a Cactus row under its answer budget (``core.budget``):
+  each judged row gets the target of Cactus at the delta the budget gives it, and the rows
+  that emitted are charged their laws' exact KL.
 
 Every kind is judged on its row alone: a row's law depends on its own spec, sampling and
 seed, never on its neighbours' kinds.
@@ -37,7 +37,7 @@ from cactus_spec.core.rules import Rule, SpS, draft_row
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.traversal_verification import verify_traversal
-from cactus_spec.core.tree_verification import judged_rows, verify_tree
+from cactus_spec.core.tree_verification import TokenTree, judged_rows, verify_tree
 from cactus_spec.core.verification import verify
 from cactus_spec.runtime.drafters import Draft
 
@@ -49,6 +49,7 @@ class Verification:
 
     name = "chain"
     trees = False  # whether its drafts are token trees
+    emits_targets = False  # whether each judged row emits its target exactly (else h's step law)
 
     def __init__(self, branches: int = 1) -> None:
         self.branches = branches
@@ -85,6 +86,7 @@ class Block(Verification):
     emits exactly (so each position's law is its target)."""
 
     name = "block"
+    emits_targets = True
 
     def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
         k = len(draft.tokens)
@@ -107,6 +109,7 @@ class Tree(Verification):
 
     name = "tree"
     trees = True
+    emits_targets = True
 
     def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
         return judged_rows(draft.tree, q, draft.probs, rule)
@@ -133,41 +136,49 @@ class Traversal(Tree):
 
 
 class Budgeted(Verification):
-    """A chain (or a block) whose Cactus deltas come from the row's answer budget: judged
-    SpS-wise against the planned targets (generalised speculative sampling towards each
-    position's h, or the block's targets), then charged for the positions that emitted."""
+    """A chain, block, tree or traversal (``inner``) whose Cactus deltas come from the row's
+    answer budget: each judged row's target is planned from what is left on its path
+    (``Budget.plan``), the drafts are judged by ``inner`` against those targets (a chain
+    SpS-wise: generalised speculative sampling towards each position's h), and the rows that
+    emitted are charged."""
 
-    def __init__(self, budget: Budget, block: bool) -> None:
-        super().__init__()
-        self.budget, self.block = budget, block
-        self.name = "block" if block else "chain"
+    def __init__(self, budget: Budget, inner: Verification) -> None:
+        super().__init__(inner.branches)
+        self.budget, self.inner = budget, inner
+        self.name, self.trees = inner.name, inner.trees
         self.plan: Plan | None = None
 
     def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
-        k = len(draft.tokens)
-        ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)  # [K]
-        self.plan = self.budget.plan(q[:k], ids, draft.probs, self.block)
-        return torch.cat([self.plan.targets.to(q.dtype), q[k:]])  # [K+1, V]
+        tree = draft.tree if self.trees else TokenTree.chain(draft.tokens)
+        self.plan = self.budget.plan(tree, q, draft.probs, self.inner.emits_targets)
+        return self.plan.targets.to(q.dtype)  # [N+1, V]
 
     def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
-        ids, p = _one_row(draft, judged.device)
-        if self.block:
-            return _kept(verify_block(ids, judged[None], p, generator, False))
-        result = verify(ids, judged[None], SpS(), p, generator, greedy=greedy, validate=False)
-        return _kept(result)
+        return self.inner.judge(SpS(), draft, judged, generator, greedy)
+
+    def emitted_rows(self, q: Tensor, path: list[int]) -> Tensor:
+        return self.inner.emitted_rows(q, path)
 
     def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
-        positions = min(count, len(draft.tokens))
-        self.budget.charge(self.plan, positions)
-        return torch.tensor(self.plan.costs[:positions], dtype=torch.float64)
+        rows = path_rows(path)[:count] if self.trees else list(range(count))
+        self.budget.charge(self.plan, rows, count)
+        return torch.tensor([self.plan.costs[r] for r in rows], dtype=torch.float64)
 
 
-def verification_of(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
-    """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring)."""
-    if spec.kl_budget is not None and not sampling.greedy:
-        cactus = spec.rule
-        budget = Budget(spec.kl_budget, cap=cactus.delta, exact=cactus.exact)
-        return Budgeted(budget, block=spec.verification == "block")
+def verification_of(
+    spec: DecodeSpec, sampling: SamplingConfig, length: int | None = None
+) -> Verification:
+    """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring);
+    ``length``: the most tokens the row may emit (a budget's pace)."""
+    kind = _kind(spec, sampling)
+    if spec.kl_budget is None or sampling.greedy:
+        return kind
+    cactus = spec.rule
+    budget = Budget(spec.kl_budget, cactus.delta, cactus.exact, spec.allocation, length)
+    return Budgeted(budget, kind)
+
+
+def _kind(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
     if spec.trees and spec.branches > 1:
         return (Tree if spec.verification == "tree" else Traversal)(spec.branches)
     if spec.verification in ("block", "traversal") and not sampling.greedy:

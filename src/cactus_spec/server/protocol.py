@@ -436,7 +436,7 @@ def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> Decode
 
 
 #: The keys a bad ``speculative`` value is named by in the error's ``param``.
-_NAMED = ("num_draft_tokens", "kl_budget")
+_NAMED = ("num_draft_tokens", "kl_budget", "allocation")
 
 
 _K = "speculative.num_draft_tokens"

@@ -23,6 +23,8 @@ DEFAULT_KEY = "cactus_spec"
 _VLLM_OWNED = ("num_draft_tokens", "drafter")
 #: The verifications of one drafted chain, the only shape vLLM drafts.
 VERIFICATIONS = ("chain", "block")
+#: Spec keys only cactus-spec's own engine takes: an answer's budget.
+_ENGINE_ONLY = ("kl_budget", "allocation")
 
 
 def default_spec(additional_config: Mapping | None) -> DecodeSpec | None:
@@ -55,12 +57,13 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
             )
     if "branches" in values:
         raise ValueError(f"{prefix}branches does not apply in vLLM: it drafts one chain")
-    if "kl_budget" in values:
-        raise ValueError(
-            f"{prefix}kl_budget does not apply in vLLM yet: the plugin spends delta per "
-            "position; an answer's budget is cactus-spec's own engine and server"
-        )
-    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches", "kl_budget")]
+    for key in _ENGINE_ONLY:
+        if key in values:
+            raise ValueError(
+                f"{prefix}{key} does not apply in vLLM: the plugin spends delta per position; "
+                "an answer's budget is cactus-spec's own engine and server (DESIGN says why)"
+            )
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches", *_ENGINE_ONLY)]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
