@@ -329,4 +329,5 @@ def test_one_run_compares_answer_budgets_with_sps(prompts: Path, models, tmp_pat
         c for c in summary["configs"] if c["id"] == "cactus(delta=1.0,exact=false)/K3/model"
     )
     assert "kl_budget" not in plain and plain["kl_nats_per_sequence_max"] > 0.2  # can fail
+    assert any("gain_kept" in c for c in budgeted)  # against SpS and Cactus(1) of the run
     assert "## An answer's divergence budget" in (tmp_path / "o" / "summary.md").read_text()

@@ -4,8 +4,9 @@ Speed: tokens/s per item, and the speedup as the per-item ratio to the verifier 
 (``ar``) on the same item: median [min, max]. Acceptance and divergence are pooled over
 items: alpha = accepted / reached, mean accepted = accepted / iterations, KL per token =
 sum of KL / sum of new tokens, KL per sequence = mean (and max) over items; an answer's
-budget adds its Pinsker bound sqrt(B/2), and drafting configurations their per-item tokens/s
-over chain SpS with the same drafting. Accuracy: Wilson
+budget adds its Pinsker bound sqrt(B/2) and the share of per-position Cactus's gain in mean
+accepted length over SpS it keeps, and drafting configurations their per-item tokens/s over
+chain SpS with the same drafting. Accuracy: Wilson
 interval, and the paired difference from ``ar`` on the items both ran (``stats``), when
 rows carry ``correct`` (and the same for ``correct_fallback``, gsm's last-number reading).
 Batched runs add each configuration's throughput: its tokens over the wall time of its
@@ -18,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 
 from cactus_spec.bench.bound import measured_bound
-from cactus_spec.bench.grid import Config
+from cactus_spec.bench.grid import BUDGET_KEYS, Config
 from cactus_spec.bench.stats import Interval, median_spread, paired_difference, wilson
 from cactus_spec.bench.tasks import Item
 from cactus_spec.core.budget import pinsker_bound
@@ -174,6 +175,7 @@ def summarise(
         | _versus_sps(c, grid, by_config)
         for c in grid
     ]
+    configs = [c | _gain_kept(c, configs) for c in configs]
     return {
         **meta,
         "n_items": len(items),
@@ -203,6 +205,30 @@ def _versus_sps(config: Config, grid: Sequence[Config], by_config: dict[str, Row
         return {}
     ratio = speed_ratio(by_config[config.id], by_config[sps.id])
     return {} if ratio is None else {"speedup_vs_sps": ratio.as_list()}
+
+
+def _gain_kept(config: dict, configs: Sequence[dict]) -> dict:
+    """For an answer's budget: the share of per-position Cactus's gain in mean accepted
+    length over SpS that it keeps, (budgeted - SpS) / (Cactus at its cap - SpS), against the
+    chain SpS and the unbudgeted Cactus (same delta, exact and verification) of its drafting."""
+    if "kl_budget" not in config or config.get("mean_accepted") is None:
+        return {}
+    same = _drafting(config)
+    cap = {k: v for k, v in config["params"].items() if k not in BUDGET_KEYS}
+    sps = [c for c in configs if c["method"] == "sps" and _chain(c) and _drafting(c) == same]
+    free = [
+        c
+        for c in configs
+        if c["method"] == "cactus"
+        and c["params"] == cap
+        and c["verification"] == config["verification"]
+        and _drafting(c) == same
+    ]
+    if not (sps and free) or None in (sps[0].get("mean_accepted"), free[0].get("mean_accepted")):
+        return {}
+    gain = free[0]["mean_accepted"] - sps[0]["mean_accepted"]
+    kept = config["mean_accepted"] - sps[0]["mean_accepted"]
+    return {"gain_kept": kept / gain} if gain else {}
 
 
 #: The paper's claim: this much more accepted per iteration than SpS, at the verifier's quality.
