@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cactus_spec.core.audit import kl, step_law
-from cactus_spec.core.budget import ALLOCATIONS, Budget, check_budget, pinsker_bound
+from cactus_spec.core.budget import ALLOCATIONS, Budget, Support, check_budget, pinsker_bound
 from cactus_spec.core.rules import Cactus
 from cactus_spec.core.sampling import SamplingConfig, one_hot
 from cactus_spec.core.spec import DecodeSpec, parse_spec
@@ -159,7 +159,7 @@ def tree_law(p1, q1, p2, q2, total: float, allocation: str, per_position: float 
     return first[:, None] * torch.stack([second.double() for _, second in rows])
 
 
-@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("allocation", ["greedy", "paced"])  # a row's delta from what is left
 @pytest.mark.parametrize("total", [0.02, 0.3])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_trees_answer_stays_within_the_budget(allocation, total, seed) -> None:
@@ -170,6 +170,22 @@ def test_a_trees_answer_stays_within_the_budget(allocation, total, seed) -> None
     assert float(kl(law.flatten(), verifier.flatten())) > 0  # it spends
     control = tree_law(p1, q1, p2, q2, total, allocation, per_position=total)
     assert float(kl(control.flatten(), verifier.flatten())) > total
+
+
+def test_marginal_funds_the_worthiest_rows() -> None:
+    """Marginal: a row worth less than the rows that would spend what is left at the rate they
+    come is judged as SpS; with room for every row seen, it is funded."""
+    p1, q1, _, _ = tables(9)
+    budget = Budget(0.05, allocation="marginal", length=100)
+    row = Support.of(q1, torch.tensor(int(p1.argmax())), p1)
+    delta = budget._first_delta(0.05)  # what the row is weighed at
+    worth = budget._gain(row, delta, False) / budget._law(row, delta, False)[1]
+    assert worth > 0
+    # 100 tokens at the rate seen: the worthier half alone would spend 0.5 nats, above 0.05
+    budget.seen = [(worth / 2, 0.01)] * 5 + [(worth * 2, 0.01)] * 5
+    assert budget._allowance(0.05, 0, row, False) == 0.0
+    budget.seen = [(worth / 2, 0.0001)] * 10  # every row fits: funded
+    assert budget._allowance(0.05, 0, row, False) == 0.05
 
 
 def test_paced_rows_get_a_share_of_what_is_left() -> None:

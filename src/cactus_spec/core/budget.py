@@ -31,6 +31,14 @@ How much a row is allowed (``ALLOCATIONS``):
   for L its length limit, m the tokens emitted and d the row's depth in the draft. A row whose
   law is cheap (p close to q) keeps the whole cap; a dear one is scaled down to the pace; what a
   row leaves unspent raises the pace of the rows after it.
+- ``marginal``: a row is funded (all that is left, as greedy) only when its worth, the
+  acceptance Cactus at the cap adds to SpS's per nat its law costs, passes a water level: the
+  worth above which the rows seen so far in the answer, repeated over the L - m - d tokens
+  still to come at the rate they came, would spend what is left. The worthiest rows are
+  funded first wherever they fall; the others are judged as SpS.
+
+Each allocation sets a row's delta from the state before its draw (what is left, the rows
+seen), never from the draw, so the bound above holds for all three.
 """
 
 from __future__ import annotations
@@ -41,12 +49,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
-from cactus_spec.core.rules import Cactus
+from cactus_spec.core.audit import acceptance_prob, kl, one_hot_divergences, step_divergences
+from cactus_spec.core.rules import Cactus, SpS
+from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.tree_verification import ROOT, TokenTree
 
 #: How a row's allowance is set from what is left (the module docstring).
-ALLOCATIONS = ("greedy", "paced")
+ALLOCATIONS = ("greedy", "paced", "marginal")
 #: How many times a delta is scaled down before the row falls back to SpS.
 _TRIES = 12
 #: A scaled-down delta aims at this share of what the row is allowed (the slope is estimated).
@@ -73,7 +82,8 @@ class Plan:
 class Budget:
     """What is left of ``total`` nats for one answer, each row at most ``cap`` (None: no cap),
     Cactus's closed form or its exact bound, allowed by ``allocation`` over an answer of at
-    most ``length`` tokens (None: unknown; ``paced`` then allows what is left)."""
+    most ``length`` tokens (None: unknown; ``paced`` and ``marginal`` then allow what is
+    left)."""
 
     total: float
     cap: float | None = None
@@ -81,7 +91,8 @@ class Budget:
     allocation: str = ALLOCATIONS[0]
     length: int | None = None
     spent: float = field(default=0.0)
-    emitted: int = field(default=0)  # the answer's tokens so far (``paced``)
+    emitted: int = field(default=0)  # the answer's tokens so far (``paced``, ``marginal``)
+    seen: list[tuple[float, float]] = field(default_factory=list)  # (worth, cost): marginal
 
     def __post_init__(self) -> None:
         check_budget(self.total)
@@ -104,11 +115,11 @@ class Budget:
             kids, row = tree.children[node], node + 1
             first = kids[0]
             left = max(0.0, self.left - before[node])
-            allowed = self._allowance(left, len(tree.path(node)))
-            wanted = _SNUG * allowed if self.cap is None else min(self.cap, _SNUG * allowed)
             p_row = None if p is None else p[first]
             n = torch.tensor(tree.tokens[first], device=q.device)
-            fit = self._fit(q[row], n, p_row, wanted, allowed, block)
+            support = Support.of(q[row], n, p_row)
+            allowed = self._allowance(left, len(tree.path(node)), support, block)
+            fit = self._fit(support, self._first_delta(allowed), allowed, block)
             deltas[row], targets[row], costs[row] = fit
             for kid in kids:
                 before[kid] = before[node] + costs[row]
@@ -119,51 +130,110 @@ class Budget:
         self.spent += sum(plan.costs[r] for r in rows)
         self.emitted += tokens
 
-    def _allowance(self, left: float, depth: int) -> float:
+    def _first_delta(self, allowed: float) -> float:
+        return _SNUG * allowed if self.cap is None else min(self.cap, _SNUG * allowed)
+
+    def _allowance(self, left: float, depth: int, row: Support, block: bool) -> float:
         """What a row at ``depth`` in its draft may cost, ``left`` being left on its path."""
         if self.allocation == "greedy" or self.length is None:
             return left
-        return left / max(1, self.length - self.emitted - depth)
+        remaining = max(1, self.length - self.emitted - depth)
+        if self.allocation == "paced":
+            return left / remaining
+        delta = self._first_delta(left)
+        if left < NEGLIGIBLE or delta <= 0:
+            return left
+        _, cost = self._law(row, delta, block)
+        if math.isnan(cost):
+            return left  # not measurable: _fit judges it SpS-wise
+        worth = self._gain(row, delta, block) / cost if cost > 0 else math.inf
+        level = _water_level(self.seen, left, remaining)
+        self.seen.append((worth, cost))
+        return left if worth > level else 0.0
 
-    def _law(
-        self, q: Tensor, n: Tensor, p: Tensor | None, delta: float, block: bool
-    ) -> tuple[Tensor, float]:
-        """Cactus(delta)'s target row at a drafted position and its law's KL to q: q, p [S]."""
+    def _gain(self, row: Support, delta: float, block: bool) -> float:
+        """The acceptance Cactus(delta) adds to SpS's at a row: for a chain, the chance that a
+        draft n ~ p is kept (one-hot drafts: h_n - q_n); for blocks and trees, the overlap of
+        p with the target over that with q."""
         rule = Cactus(delta, self.exact)
         if block:
-            row = rule.block_target(q[None], n.reshape(1), _batch(p))[0]
-            return row, float(kl(row, q))
-        return rule.h(q, n, p), position_cost(q, n, p, rule)
+            p = row.p if row.p is not None else one_hot(row.n.reshape(1), row.q.shape[-1])[0]
+            target = rule.block_target(row.q[None], row.n.reshape(1), p[None])[0]
+            return float(torch.minimum(p, target).sum() - torch.minimum(p, row.q).sum())
+        if row.p is None:
+            return float(rule.h_at_draft(row.q, row.n, None) - row.q[row.n])
+        return float(acceptance_prob(row.p, row.q, rule) - acceptance_prob(row.p, row.q, SpS()))
+
+    def _law(self, row: Support, delta: float, block: bool) -> tuple[Tensor, float]:
+        """Cactus(delta)'s target row [S] at a drafted position and its law's KL to q."""
+        rule = Cactus(delta, self.exact)
+        if block:
+            target = rule.block_target(row.q[None], row.n.reshape(1), _batch(row.p))[0]
+            return target, float(kl(target, row.q))
+        return rule.h(row.q, row.n, row.p), position_cost(row.q, row.n, row.p, rule)
 
     def _fit(
-        self, q: Tensor, n: Tensor, p: Tensor | None, delta: float, allowed: float, block: bool
+        self, row: Support, delta: float, allowed: float, block: bool
     ) -> tuple[float, Tensor, float]:
         """A delta whose law costs at most ``allowed``, its target row [V] and cost: ``delta``
         if it fits, else scaled down (at least halved) by (allowed / cost)^(1 / s), s the
-        cost's log-log slope in delta over the last two tries, until one does;
-        delta 0 (q itself, SpS) when none does or less than ``NEGLIGIBLE`` is allowed.
-        Computed on the tokens q, p or the draft n hold (no law reaches the others)."""
+        cost's log-log slope in delta over the last two tries, until one does; delta 0 (q
+        itself, SpS) when none does or less than ``NEGLIGIBLE`` is allowed."""
         if allowed < NEGLIGIBLE:
-            return 0.0, q.float(), 0.0
-        keep = q > 0 if p is None else (q > 0) | (p > 0)  # [V]
-        keep[n] = True
-        columns = keep.nonzero().squeeze(-1)  # [S]
-        q_s, n_s = q[columns], torch.searchsorted(columns, n)  # [S], []
-        p_s = None if p is None else p[columns]
+            return 0.0, row.full, 0.0
         last = None  # the previous (delta, cost): the cost's slope in delta, log-log
         for _ in range(_TRIES):
             if delta <= 0:
                 break
-            row, cost = self._law(q_s, n_s, p_s, delta, block)
+            target, cost = self._law(row, delta, block)
             if math.isnan(cost):
                 break  # not measurable: SpS
             if cost <= allowed:
-                target = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [V]
-                return delta, target.index_copy(0, columns, row.float()), cost
+                return delta, row.widen(target), cost
             slope = _slope(last, delta, cost)
             last = delta, cost
             delta *= min(0.5, (_AIM * allowed / cost) ** (1 / slope))
-        return 0.0, q.float(), 0.0
+        return 0.0, row.full, 0.0
+
+
+@dataclass(frozen=True)
+class Support:
+    """One judged row cut to the tokens q, p or the draft n hold (no law reaches the others):
+    q, p [S] (p None: a deterministic draft), n [] its index there, ``columns`` [S] the
+    tokens, ``full`` q's whole row [V] as float."""
+
+    q: Tensor
+    p: Tensor | None
+    n: Tensor
+    columns: Tensor
+    full: Tensor
+
+    @classmethod
+    def of(cls, q: Tensor, n: Tensor, p: Tensor | None) -> Support:
+        """The row of q [V] with draft n [] drawn from p [V] (None: deterministic)."""
+        keep = q > 0 if p is None else (q > 0) | (p > 0)  # [V]
+        keep[n] = True
+        columns = keep.nonzero().squeeze(-1)  # [S]
+        p_s = None if p is None else p[columns].float()
+        return cls(q[columns].float(), p_s, torch.searchsorted(columns, n), columns, q.float())
+
+    def widen(self, target: Tensor) -> Tensor:
+        """A target [S] as a row over the whole vocabulary [V]."""
+        return torch.zeros_like(self.full).index_copy(0, self.columns, target.float())
+
+
+def _water_level(seen: list[tuple[float, float]], left: float, remaining: int) -> float:
+    """The worth (acceptance per nat) above which the rows seen so far, repeated over the
+    ``remaining`` tokens at the rate they came, would spend what is ``left``: rows above it
+    are funded, the worthiest first; -inf when all of them fit."""
+    if not seen:
+        return -math.inf
+    rate, spend = remaining / len(seen), 0.0
+    for worth, cost in sorted(seen, reverse=True):
+        spend += rate * cost
+        if spend > left:
+            return worth
+    return -math.inf
 
 
 def _slope(last: tuple[float, float] | None, delta: float, cost: float) -> float:
