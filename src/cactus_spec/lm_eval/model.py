@@ -246,7 +246,7 @@ class CactusSpecLM(TemplateLM):
 
     def _fit_prompt(self, ids: list[int], max_new: int) -> list[int]:
         """``ids`` cut from the left so prompt + max_new (+ K drafts) fit the window."""
-        drafts = self.engine.spec.num_draft_tokens
+        drafts = self.engine.draft_tokens(self.engine.spec)  # K left open (auto): the cap
         window = min(self.max_length, self.engine.context_length - drafts)
         room = window - max_new
         if room < 1:
