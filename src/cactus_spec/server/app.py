@@ -226,6 +226,8 @@ class _Handler:
         grammar = body.grammar(self.tool_markers)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         logprobs, stops = body.logprob_count(), body.stops()
+        if logprobs is not None and self.engine.tokenizer is None:
+            raise APIError(400, "logprobs: this model has no tokenizer to spell tokens", "logprobs")
         penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
         requests = []
         for ids in prompts:
