@@ -196,17 +196,18 @@ class CactusSpecLM(TemplateLM):
         a template that refuses a system turn gets the chat without it, as HFLM does."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("--apply_chat_template needs a tokenizer with a chat template")
-        options = {
+        options: dict[str, Any] = {
             "tokenize": False,
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": not add_generation_prompt,
         }
+        # tokenize=False: the text (transformers types every form it can return)
         try:
-            return self.tokenizer.apply_chat_template(chat_history, **options)
+            return self.tokenizer.apply_chat_template(chat_history, **options)  # type: ignore[return-value]
         except jinja2.exceptions.TemplateError:
             log.warning("the chat template failed; applying it without the system turn")
             chat = [m for m in chat_history if m["role"] != "system"]
-            return self.tokenizer.apply_chat_template(chat, **options)
+            return self.tokenizer.apply_chat_template(chat, **options)  # type: ignore[return-value]
 
     # --- generation -----------------------------------------------------------------------
 
