@@ -59,8 +59,10 @@ fetch-test-model: $(STAMP)
 fetch-default: $(STAMP)
 	$(VENV)/bin/cactus-spec models fetch
 
+# mypy checks src/cactus_spec but the vLLM plugin ([tool.mypy] in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tests_vllm benchmarks
+	$(VENV)/bin/mypy
 
 test: lint fetch-test-model
 	$(VENV)/bin/pytest -q
@@ -83,4 +85,4 @@ bench-quick: fetch-test-model
 	$(VENV)/bin/cactus-spec bench --quick --out bench-out/quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -37,7 +37,7 @@ DEMO_PROMPT = (
     "intervals, with a docstring and a short example."
 )
 _SAMPLING = SamplingConfig()
-_ARG_TYPES = {bool: None, int: int, float: float}
+_ARG_TYPES: dict[type, type[int] | type[float]] = {int: int, float: float}  # bool: a switch
 
 stderr = Console(stderr=True)
 
@@ -595,6 +595,7 @@ def run_demo(args: argparse.Namespace) -> int:
     k = parse_spec(given, label=_flag).num_draft_tokens  # None: auto
     _check_model_args(args)
     verifier_src, draft_src = _model_sources(args, needs_draft=True)
+    assert draft_src is not None  # needs_draft
     pair = "the default pair" if (verifier_src, draft_src) == DEFAULT_PAIR else "the models"
     stderr.print(f"loading {pair}: {verifier_src} (verifier), {draft_src} (draft) …")
     options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}

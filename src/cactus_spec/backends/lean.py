@@ -34,6 +34,7 @@ int4 or all native bfloat16 runs as one native call (``native_block``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Grouped-query self-attention over the static cache of one layer."""
 
-    def __init__(self, hf_attention: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hf_attention: Any, heads: int, kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.q, self.k = hf_attention.q_proj, hf_attention.k_proj
         self.v, self.o = hf_attention.v_proj, hf_attention.o_proj
@@ -138,7 +139,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm attention and SwiGLU MLP, each added to the residual stream."""
 
-    def __init__(self, hf_layer: nn.Module, eps: float, heads: int, kv: int, dim: int) -> None:
+    def __init__(self, hf_layer: Any, eps: float, heads: int, kv: int, dim: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(hf_layer.input_layernorm.weight, eps)
         self.attention = Attention(hf_layer.self_attn, heads, kv, dim)
@@ -318,6 +319,7 @@ class KVCache:
         end = feed.end
         if feed.span is not None:  # a view: no copy
             return self.keys[layer, feed.span, :, :end], self.values[layer, feed.span, :, :end]
+        assert feed.index is not None  # a feed's rows are a span or an index
         keys = self.keys[layer, :, :, :end].index_select(0, feed.index)
         values = self.values[layer, :, :, :end].index_select(0, feed.index)
         return keys, values
@@ -491,7 +493,7 @@ class LeanBackend:
             logits = self._forward_padded(lists, [rows[i] for i in group], last_only, keep)
             for i, rows_logits in zip(group, logits, strict=True):
                 out[i] = rows_logits
-        return out
+        return out  # type: ignore[return-value]  # every row is in one group
 
     def _forward_padded(self, lists, rows, last_only, keep) -> list[Tensor]:
         """One forward of right-padded token lists over ``rows``."""
@@ -552,7 +554,7 @@ class LeanBackend:
                 out[i] = rows_logits
         for row, tree in zip(rows, trees, strict=True):
             self.trees[row] = tree
-        return out
+        return out  # type: ignore[return-value]  # every row is in one group
 
     def _forward_tree(self, lists, rows, trees) -> list[Tensor]:
         """One forward of right-padded tree nodes ``lists`` (the last nodes of ``trees``)."""

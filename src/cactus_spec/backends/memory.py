@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import TypeVar
 
 from torch import nn
 
+Model = TypeVar("Model", bound=nn.Module)
 
-def own_memory(model: nn.Module) -> nn.Module:
+
+def own_memory(model: Model) -> Model:
     """Copy ``model``'s parameters and buffers into fresh memory (in place), then
     ``trim_heap``: the checkpoint's memory map, if any, is released."""
     for tensor in [*model.parameters(), *model.buffers()]:

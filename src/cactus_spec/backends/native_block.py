@@ -15,12 +15,16 @@ lean ``KVCache`` as the Python block does.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from cactus_spec.backends import native
 
 
-def _layers(hf_layer: nn.Module) -> list[nn.Module]:
+def _layers(hf_layer: Any) -> list[Any]:
+    """The linear layers of a transformers decoder layer (attributes of its modules, which
+    torch's types cannot name)."""
     attention, mlp = hf_layer.self_attn, hf_layer.mlp
     return [
         attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
@@ -32,7 +36,7 @@ class NativeBlock(nn.Module):
     """lean.Block's computation for a block whose linear layers are all native layers of one
     kind: int8, int4 or bfloat16 (``kind``)."""
 
-    def __init__(self, hf_layer: nn.Module, eps: float, heads: int, kv_heads: int) -> None:
+    def __init__(self, hf_layer: Any, eps: float, heads: int, kv_heads: int) -> None:
         super().__init__()
         kind = self.kind(hf_layer)
         if kind is None:
@@ -41,7 +45,7 @@ class NativeBlock(nn.Module):
         self.params = [n.detach().float().contiguous() for n in norms]
         for layer in _layers(hf_layer):
             self.params += layer.block_params()
-        self._call = getattr(native.load(), f"{kind}_block")
+        self._call = getattr(native.loaded(), f"{kind}_block")
         self.eps, self.heads, self.kv_heads = eps, heads, kv_heads
 
     @staticmethod

@@ -82,11 +82,14 @@ class NativeBf16Linear(nn.Module):
     float dtype, rounded to bfloat16) -> y [..., E_out] bfloat16."""
 
     block_kind = "bf16"
+    packed: Tensor
+    bias: Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach()  # [E_out, E_in]
-        self.register_buffer("packed", native.load().pack_bf16(weight))  # [E_out/16, E_in/2, 16, 2]
+        packed = native.loaded().pack_bf16(weight)  # [E_out/16, E_in/2, 16, 2]
+        self.register_buffer("packed", packed)
         bias = torch.zeros(weight.shape[0]) if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias.float())  # [E_out]
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -95,11 +98,11 @@ class NativeBf16Linear(nn.Module):
     def available() -> bool:
         """Whether the native kernels are built with a bf16 path for this CPU (AMX tiles it
         lends this process, or AVX512-BF16)."""
-        return native.available() and native.load().has_bf16()
+        return native.available() and native.loaded().has_bf16()
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, E_in]
-        y = native.load().bf16_linear(rows, self.packed, self.bias)  # [M, E_out]
+        y = native.loaded().bf16_linear(rows, self.packed, self.bias)  # [M, E_out]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def block_params(self) -> list[Tensor]:
@@ -113,7 +116,7 @@ class NativeBf16Linear(nn.Module):
 def bf16_kernel() -> str:
     """The bfloat16 CPU path the lean backend takes (results that depend on it record it)."""
     if NativeBf16Linear.available():
-        simd = "AMX tiles" if native.load().has_amx() else "AVX512-BF16"
+        simd = "AMX tiles" if native.loaded().has_amx() else "AVX512-BF16"
         return f"native {simd}, whole blocks in C++"
     return "oneDNN, packed once" if onednn_packs_bf16() else "torch's F.linear, unpacked"
 

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from cactus_spec import isa
 from cactus_spec.backends import native
-from cactus_spec.backends.memory import own_memory, trim_heap
+from cactus_spec.backends.memory import Model, own_memory, trim_heap
 
 QUANTS = ("none", "int8", "int4")
 
@@ -81,8 +81,8 @@ def _cpu_has_vnni() -> bool:
 def quant_kernel() -> str:
     """The int8 path this CPU takes (results that depend on it record it)."""
     if native.available():
-        simd = native.load().int_simd()
-        if native.load().has_amx():
+        simd = native.loaded().int_simd()
+        if native.loaded().has_amx():
             simd = f"AMX tiles for blocks, {simd} for one row"
         return f"native int8 ({simd}), per-channel weights, per-row 8-bit activations"
     bits = 7 if not _cpu_has_vnni() else 8
@@ -92,7 +92,7 @@ def quant_kernel() -> str:
 def int4_kernel() -> str:
     """The int4 path this CPU takes (results that depend on it record it)."""
     if native.available():
-        simd = native.load().int_simd()
+        simd = native.loaded().int_simd()
         return f"native int4 ({simd}), groups of {NATIVE_INT4_GROUP}, per-row 8-bit activations"
     return f"torch int4, groups of {INT4_GROUP}, bfloat16 activations"
 
@@ -112,15 +112,22 @@ def unit_rows(x: Tensor) -> UnitRows:
 def project(x: Tensor, layers: list[nn.Module]) -> list[Tensor]:
     """[layer(x) for layer in layers], scaling x's rows once when every layer is an fbgemm
     int8 layer (the native kernel scales inside each call, at no cost worth sharing)."""
-    if all(isinstance(layer, Int8Linear) and not layer.native for layer in layers):
+    fbgemm = [layer for layer in layers if isinstance(layer, Int8Linear) and not layer.native]
+    if len(fbgemm) == len(layers):
         scaled = unit_rows(x)
-        return [layer.from_unit_rows(scaled, x.shape[:-1]) for layer in layers]
+        return [layer.from_unit_rows(scaled, x.shape[:-1]) for layer in fbgemm]
     return [layer(x) for layer in layers]
 
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights (per output channel) and per-row activation ranges:
     x [..., E_in] (any float dtype) -> y [..., E_out] float32. See the module docstring."""
+
+    codes: Tensor
+    scale: Tensor
+    code_sums: Tensor
+    row_sums: Tensor
+    bias: Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -133,7 +140,7 @@ class Int8Linear(nn.Module):
             self.native = native.available()
             if self.native:
                 codes = w8.int_repr()  # [E_out, E_in] int8
-                packed = native.load().pack_int8(codes)  # [E_out/16, E_in/4, 16, 4]
+                packed = native.loaded().pack_int8(codes)  # [E_out/16, E_in/4, 16, 4]
                 self.register_buffer("codes", packed)
                 self.register_buffer("scale", scale)  # [E_out]
                 self.register_buffer("code_sums", codes.sum(1, dtype=torch.int32))
@@ -149,7 +156,7 @@ class Int8Linear(nn.Module):
         if not self.native:
             return self.from_unit_rows(unit_rows(x), x.shape[:-1])
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, E_in]
-        y = native.load().int8_linear(rows, self.codes, self.scale, self.code_sums, self.bias)
+        y = native.loaded().int8_linear(rows, self.codes, self.scale, self.code_sums, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @property
@@ -181,6 +188,10 @@ class Int4Linear(nn.Module):
     and low end: x [..., E_in] (any float dtype) -> y [..., E_out] (float32 with the native
     kernel, else bfloat16). See the module docstring."""
 
+    packed: Tensor
+    scales: Tensor
+    bias: Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [E_out, E_in]
@@ -188,7 +199,7 @@ class Int4Linear(nn.Module):
         self.native = native.available()
         if self.native:
             codes, scale, low = int4_codes(weight, NATIVE_INT4_GROUP, torch.float16)
-            packed, scales = native.load().pack_int4(codes, scale, low)
+            packed, scales = native.loaded().pack_int4(codes, scale, low)
             self.register_buffer("packed", packed)  # [E_out/64, G, 4, 8, 16, 4] uint8
             self.register_buffer("scales", scales)  # [E_out/64, G, 2, 64] float16 bits (int16)
             bias = torch.zeros(self.out_features) if linear.bias is None else linear.bias.detach()
@@ -212,8 +223,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.native:
             rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, E_in]
-            load = native.load()
-            y = load.int4_linear(rows, self.packed, self.scales, self.bias)
+            y = native.loaded().int4_linear(rows, self.packed, self.scales, self.bias)
         else:
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, E_in]
             int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -229,6 +239,7 @@ class Int4Linear(nn.Module):
 
     def block_params(self) -> list[Tensor]:
         """What a native block reads of this layer: codes, scales, bias."""
+        assert self.bias is not None  # a native layer holds one (zeros without a bias)
         return [self.packed, self.scales, self.bias]
 
     def extra_repr(self) -> str:
@@ -252,7 +263,7 @@ def int4_codes(weight: Tensor, group: int, dtype: torch.dtype) -> tuple[Tensor, 
     return codes, scale, low
 
 
-def quantize(model: nn.Module, quant: str) -> nn.Module:
+def quantize(model: Model, quant: str) -> Model:
     """Replace the nn.Linear layers of ``model`` (in place) by ``quant`` ones ("int8", or
     "int4" with the native kernel: every layer, the rest of the model in float32; "int4" with
     torch's kernel: every layer it takes, the rest in bfloat16); "none" leaves the model as it

@@ -177,7 +177,9 @@ def main_bench(args: argparse.Namespace) -> int:
         drafts[None] = load(draft_source, args.draft_quant, args.draft_vocab)
     for key, (name, head) in others.items():
         head = args.draft_vocab if head is None else head
-        drafts[key] = load(name or draft_source, args.draft_quant, head)
+        source = name or draft_source
+        assert source is not None  # cut: the run's draft is named
+        drafts[key] = load(source, args.draft_quant, head)
     run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

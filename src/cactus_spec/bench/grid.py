@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +209,7 @@ def make_config(
     refused); unknown methods, parameters or values raise ValueError."""
     if method not in NAMES:
         raise ValueError(f"method must be one of {', '.join(NAMES)}, got {method!r}")
-    allowed = METHODS[method].defaults if method in METHODS else PEERS[method]
+    allowed: Mapping[str, object] = METHODS[method].defaults if method in METHODS else PEERS[method]
     allowed = {**allowed, **dict.fromkeys(BUDGET_KEYS)} if method in BUDGET_METHODS else allowed
     unknown = sorted(set(params) - set(allowed))
     if unknown:
@@ -243,6 +244,7 @@ def make_config(
         raise ValueError(f"{method}: {err}") from None
     if method in NO_DRAFT:
         return Config(method, tuple(sorted(values.items())), verifier=verifier)
+    assert spec.verification is not None  # a spec that drafts
     return Config(
         method,
         tuple(sorted(values.items())),
@@ -296,14 +298,14 @@ def _peer_int(name: str, value: object) -> int:
     try:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(value)
-        return int(value)  # type: ignore[arg-type]
+        return int(value)  # type: ignore[call-overload]  # any other type: TypeError, caught
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def expand(
     entries: Iterable[Entry],
-    ks: Sequence[int] | None = None,
+    ks: Sequence[int | str] | None = None,
     drafters: Sequence[str] = ("model",),
     verifiers: Sequence[str] = ("none",),
     verifications: Sequence[str | None] = (None,),
@@ -424,9 +426,9 @@ def _read_structured(path: Path) -> dict:
 
 
 def _toml():
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:  # Python 3.10
         import tomli as tomllib
     return tomllib
 

@@ -102,11 +102,13 @@ def hf_generate(
         if draft is None:
             raise ValueError("hf_assisted with the model drafter needs a draft model")
         kwargs["assistant_model"] = draft.model
+        assert config.num_draft_tokens is not None  # a peer's K is given (auto is refused)
         settings = _assistant_settings(draft.model, config.num_draft_tokens)
     torch.manual_seed(seed)
     with _quiet(), settings, torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(
+        # a causal LM: its class mixes in GenerationMixin, which PreTrainedModel's types lack
+        out = model.generate(  # type: ignore[operator]
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,

@@ -92,9 +92,10 @@ def _reference_lines(
 ) -> None:
     """SpS and TAS as horizontal lines (dotted; dash-dotted with the n-gram drafter)."""
     for c in configs:
-        if c["method"] in ("sps", "tas") and value(c) is not None:
+        y = value(c) if c["method"] in ("sps", "tas") else None
+        if y is not None:
             style = "-." if c["drafter"] == "ngram" else ":"
-            ax.axhline(value(c), color=COLORS[c["method"]], linestyle=style, label=c["label"])
+            ax.axhline(y, color=COLORS[c["method"]], linestyle=style, label=c["label"])
 
 
 def delta_figure(summary: dict) -> Figure:

@@ -26,7 +26,7 @@ def model_identity(loaded: LoadedModel | None) -> dict | None:
     if sha is None and path.is_dir():
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         sha = ",".join(file_sha256(w) for w in weights) or None
-    found = {"path": loaded.identity, "sha256": sha, "quant": loaded.quant}
+    found: dict[str, object] = {"path": loaded.identity, "sha256": sha, "quant": loaded.quant}
     if loaded.head_tokens is not None:  # a truncated head: another draft
         found["head_vocab"] = len(loaded.head_tokens)
     return found

@@ -113,8 +113,7 @@ class BenchSettings:
     def other_drafts(self) -> dict[str, tuple[str | None, int | None]]:
         """The drafts the grid names besides the run's, in grid order: ``{Config.draft_key:
         (model name, or None for the run's draft model; head size, or None for --draft-vocab)}``."""
-        named = (c for c in self.grid if c.draft_key is not None)
-        return {c.draft_key: (c.draft, c.draft_vocab) for c in named}
+        return {c.draft_key: (c.draft, c.draft_vocab) for c in self.grid if c.draft_key is not None}
 
     @property
     def verifiers(self) -> list[str]:
@@ -201,10 +200,11 @@ class Runner:
 
     def _decoder(self, config: Config) -> SpeculativeDecoder:
         verifier = self.verifiers[config.verifier]
-        options = {"backend": self.settings.backend, "max_batch": self.settings.max_batch}
         spec = config.spec
         draft = self.drafts[config.draft_key] if spec.drafts and spec.drafter == "model" else None
-        return SpeculativeDecoder(verifier, draft, spec, **options)
+        return SpeculativeDecoder(
+            verifier, draft, spec, backend=self.settings.backend, max_batch=self.settings.max_batch
+        )
 
     def _llamacpp(self) -> LlamaCppPeers | None:
         """llama.cpp contexts over the verifier's GGUF, if the grid has llama.cpp methods."""
@@ -339,6 +339,7 @@ class Runner:
                 raise KeyboardInterrupt
             return _engine_measures(result)
         if config.method in LLAMACPP_METHODS:
+            assert self.llamacpp is not None  # made for a grid with llama.cpp methods
             peer = self.llamacpp.generate(config, ids, s.max_new_tokens, s.sampling, seed)
         else:
             model = self.verifiers[config.verifier]
@@ -354,7 +355,10 @@ class Runner:
 
     def _decode(self, token_ids: list[int]) -> str | None:
         tokenizer = self.verifier.tokenizer
-        return None if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+        if tokenizer is None:
+            return None
+        # one sequence decodes to one text (transformers types the batch form too)
+        return tokenizer.decode(token_ids, skip_special_tokens=True)  # type: ignore[return-value]
 
 
 def _engine_measures(result: GenerationResult) -> dict:
@@ -370,7 +374,9 @@ def verifier_divergences(verifiers: Verifiers) -> dict[str, dict | None]:
         if quant == "none":
             continue
         try:
-            found[quant] = quant_divergence(verifier).as_dict()
+            divergence = quant_divergence(verifier)
+            assert divergence is not None  # a quantised verifier has one
+            found[quant] = divergence.as_dict()
         except ValueError:
             found[quant] = None
     return found

@@ -35,7 +35,7 @@ def _no_connection(*args, **kwargs):
 
 def main() -> None:
     timeout = float(sys.argv[1])
-    socket.socket = _LocalOnly  # inherited by the forked test processes
+    socket.socket = _LocalOnly  # type: ignore[misc]  # inherited by the forked test processes
     socket.create_connection = _no_connection
     jobs = json.load(sys.stdin)
     results = []

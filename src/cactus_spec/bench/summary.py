@@ -68,7 +68,9 @@ def _speed(rows: Rows, ar: Rows | None) -> dict:
 def speed_ratio(rows: Rows, reference: Rows | None) -> Interval | None:
     """Per-item tokens/s of ``rows`` over ``reference`` (both keyed by item), on the items
     both hold: median [min, max]; None when they share no item."""
-    shared = [i for i in rows if reference and i in reference and reference[i]["tokens_per_s"] > 0]
+    if not reference:
+        return None
+    shared = [i for i in rows if i in reference and reference[i]["tokens_per_s"] > 0]
     if not shared:
         return None
     return median_spread([rows[i]["tokens_per_s"] / reference[i]["tokens_per_s"] for i in shared])
@@ -85,8 +87,8 @@ def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
         "kl_nats_per_sequence": statistics.mean(r["kl_nats"] for r in rows.values()),
         "kl_nats_per_sequence_max": max(r["kl_nats"] for r in rows.values()),
     }
-    budget = dict(config.params).get("kl_budget")
-    out |= {} if budget is None else {"kl_budget": budget, "tv_bound": pinsker_bound(budget)}
+    budget = dict(config.params).get("kl_budget")  # a float (check_budget) when set
+    out |= {} if budget is None else {"kl_budget": budget, "tv_bound": pinsker_bound(budget)}  # type: ignore[arg-type]
     if not config.drafts:
         return out
     reached, accepted = totals["reached_by_position"], totals["accepted_by_position"]
@@ -117,6 +119,7 @@ def _accuracy(config: Config, rows: Rows, ar: Rows | None, key: str = "correct")
     }
     shared = [i for i in rows if ar and i in ar]
     if shared and rows is not ar:  # every configuration but the reference itself
+        assert ar is not None  # the shared items are its
         mine = [bool(rows[i].get(key)) for i in shared]
         theirs = [bool(ar[i].get(key)) for i in shared]
         out[f"difference_vs_ar{suffix}"] = paired_difference(mine, theirs).as_list()

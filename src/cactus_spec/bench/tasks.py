@@ -76,6 +76,7 @@ def load_items(spec: TaskSpec) -> list[Item]:
         return gsm_items(spec.n or GSM_DEFAULT_N, spec.seed)
     if spec.name == "humaneval":
         return humaneval_items(spec.n)
+    assert spec.path is not None  # TaskSpec: the prompts task, and only it, has a file
     return prompt_items(Path(spec.path), spec.n)
 
 

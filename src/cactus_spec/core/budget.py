@@ -258,8 +258,12 @@ def position_cost(q: Tensor, n: Tensor, p: Tensor | None, rule: Cactus) -> float
 
 def check_budget(value: object, name: str = "kl_budget") -> float:
     """``value`` as a budget in nats: a finite number >= 0; ValueError naming ``name``."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < 0:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{name} must be a finite number >= 0 (nats), got {value!r}")
     return float(value)
 

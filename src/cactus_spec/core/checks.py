@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
 
-def is_int(value: object) -> bool:
+
+def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool (True is an int in Python)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

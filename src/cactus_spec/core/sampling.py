@@ -108,8 +108,11 @@ def check_generators(generator: object, rows: int) -> None:
     them; ValueError when a sequence does not hold one per row."""
     if generator is None or isinstance(generator, torch.Generator):
         return
-    is_sequence = isinstance(generator, Sequence) and not isinstance(generator, (str, bytes))
-    if not is_sequence or not all(isinstance(g, torch.Generator) for g in generator):
+    if (
+        not isinstance(generator, Sequence)
+        or isinstance(generator, (str, bytes))
+        or not all(isinstance(g, torch.Generator) for g in generator)
+    ):
         raise TypeError(
             "generator must be a torch.Generator or a sequence of them (one per row), "
             f"got {type(generator).__name__}"
@@ -131,8 +134,8 @@ def uniforms(rows: int, count: int, generator: Generators, device: torch.device)
         draws = torch.rand(rows, count, generator=generator, device=gen_device)
         return draws.to(device)
     check_generators(generator, rows)
-    draws = [torch.rand(count, generator=g, device=g.device).to(device) for g in generator]
-    return torch.stack(draws)
+    per_row = [torch.rand(count, generator=g, device=g.device).to(device) for g in generator]
+    return torch.stack(per_row)
 
 
 def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:

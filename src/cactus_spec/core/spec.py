@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import overload
 
 from cactus_spec.core.budget import ALLOCATIONS, check_allocation, check_budget
 from cactus_spec.core.checks import is_int
@@ -154,7 +155,7 @@ class DecodeSpec:
         """JSON-ready: method, params, num_draft_tokens, drafter, verification (and branches,
         for trees, and kl_budget with its allocation, when set)."""
         tree = {"branches": self.branches} if self.trees else {}
-        budget = {} if self.kl_budget is None else {"kl_budget": self.kl_budget}
+        budget: dict[str, object] = {} if self.kl_budget is None else {"kl_budget": self.kl_budget}
         budget |= {} if self.kl_budget is None else {"allocation": self.allocation}
         return {
             "method": self.method,
@@ -275,7 +276,9 @@ def _verification(
     value: object, method: str, params: dict, label: Callable[[str], str], base: DecodeSpec
 ) -> str:
     """The verification given (checked), else the base's where it applies, else chain."""
-    blocks = build_rule(method, params).verifies_blocks
+    rule = build_rule(method, params)
+    assert rule is not None  # a method that drafts
+    blocks = rule.verifies_blocks
     if value is None:
         kept = base.verification or VERIFICATIONS[0]
         return kept if blocks else VERIFICATIONS[0]
@@ -338,25 +341,32 @@ def _branches(
     return branches
 
 
-def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> object:
+@overload
+def _convert(name: str, value: object, like: str, text: bool) -> str: ...
+@overload
+def _convert(name: str, value: object, like: bool, text: bool) -> bool: ...
+@overload
+def _convert(name: str, value: object, like: int, text: bool) -> int: ...
+@overload
+def _convert(name: str, value: object, like: float, text: bool) -> float: ...
+def _convert(name: str, value: object, like: ParamValue | str, text: bool) -> ParamValue | str:
     """``value`` in the type of ``like`` (bool, int, float or str): exactly that type, an
     int for a float, or with ``text`` its text form; ValueError naming ``name`` otherwise."""
     kind = type(like)
     if text and isinstance(value, str) and kind is not str:
         value = _from_text(value.strip(), kind)
     if kind is str:
-        ok = isinstance(value, str)
+        if isinstance(value, str):
+            return value
     elif kind is bool:
-        ok = isinstance(value, bool)
+        if isinstance(value, bool):
+            return value
     elif kind is int:
-        ok = is_int(value) or (text and isinstance(value, float) and value.is_integer())
-        value = int(value) if ok else value
-    else:
-        ok = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-        value = float(value) if ok else value
-    if not ok:
-        raise ValueError(f"{name} must be {_KINDS[kind]}, got {value!r}")
-    return value
+        if is_int(value) or (text and isinstance(value, float) and value.is_integer()):
+            return int(value)
+    elif (is_int(value) or isinstance(value, float)) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"{name} must be {_KINDS[kind]}, got {value!r}")
 
 
 def _from_text(text: str, kind: type) -> object:

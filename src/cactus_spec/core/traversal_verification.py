@@ -65,7 +65,9 @@ def verify_traversal(
     rows = verifier_probs.float()
     tests = uniforms(1, len(tree.tokens) + 1, generator, rows.device)[0]  # [N+1]
     walk = _Walk(tree, rows, draft_probs, tests[:-1].tolist())
-    path, row = walk.visit(ROOT, rows[0], 1.0)
+    found = walk.visit(ROOT, rows[0], 1.0)
+    assert found is not None  # the root is never rejected
+    path, row = found
     token = int(sample_inverse_cdf(row[None], tests[-1:]))
     return TreeResult(path, [tree.tokens[j] for j in path] + [token])
 

@@ -170,10 +170,11 @@ def _descend(
         token = tree.tokens[j]
         if float(u) * float(p[token]) < float(target[token]):
             return j
-        target = normalize((target - p).clamp_(min=0.0), lambda t=target: t)
+        # a lambda's default binds the row of this iteration (mypy cannot type such lambdas)
+        target = normalize((target - p).clamp_(min=0.0), lambda t=target: t)  # type: ignore[misc]
         p = p.clone()
         p[token] = 0.0
-        p = normalize(p, lambda q=p: q)
+        p = normalize(p, lambda q=p: q)  # type: ignore[misc]
     return target
 
 

@@ -196,17 +196,18 @@ class CactusSpecLM(TemplateLM):
         a template that refuses a system turn gets the chat without it, as HFLM does."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("--apply_chat_template needs a tokenizer with a chat template")
-        options = {
+        options: dict[str, Any] = {
             "tokenize": False,
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": not add_generation_prompt,
         }
+        # tokenize=False: the text (transformers types every form it can return)
         try:
-            return self.tokenizer.apply_chat_template(chat_history, **options)
+            return self.tokenizer.apply_chat_template(chat_history, **options)  # type: ignore[return-value]
         except jinja2.exceptions.TemplateError:
             log.warning("the chat template failed; applying it without the system turn")
             chat = [m for m in chat_history if m["role"] != "system"]
-            return self.tokenizer.apply_chat_template(chat, **options)
+            return self.tokenizer.apply_chat_template(chat, **options)  # type: ignore[return-value]
 
     # --- generation -----------------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class CactusSpecLM(TemplateLM):
 
     def _fit_prompt(self, ids: list[int], max_new: int) -> list[int]:
         """``ids`` cut from the left so prompt + max_new (+ K drafts) fit the window."""
-        drafts = self.engine.spec.num_draft_tokens
+        drafts = self.engine.draft_tokens(self.engine.spec)  # K left open (auto): the cap
         window = min(self.max_length, self.engine.context_length - drafts)
         room = window - max_new
         if room < 1:

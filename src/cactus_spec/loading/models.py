@@ -210,8 +210,8 @@ def load_model(
     check_quant(quant)
     if isinstance(source, PreTrainedModel):
         model, tokenizer, identity, sha = source, None, type(source).__name__, None
-        if dtype is not None:
-            model = model.to(dtype=resolve_dtype(dtype, device))
+        if dtype is not None:  # (transformers' wrapped ``to`` loses its self in the types)
+            model = model.to(dtype=resolve_dtype(dtype, device))  # type: ignore[call-arg]
     elif isinstance(source, (str, Path)):
         model, tokenizer, identity, sha = _load_source(source, resolve_dtype(dtype, device))
     else:
@@ -219,7 +219,7 @@ def load_model(
             "source must be a known model name, a path, a hub id or a PreTrainedModel, "
             f"got {type(source).__name__}"
         )
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     head = None if head_vocab is None else _truncate_head(model, tokenizer, head_vocab)
     if quant != "none":
         if device.type != "cpu":

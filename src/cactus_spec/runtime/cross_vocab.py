@@ -120,7 +120,8 @@ def _probs(logits: Tensor, drafted: Sequence[int], sampling: SamplingConfig) -> 
 
 def _text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
     """The exact text of ``ids``, special tokens spelled out."""
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    # transformers types a list and every result it can give; any sequence of ids gives one str
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # type: ignore[arg-type, return-value]
 
 
 def added_text(

@@ -83,7 +83,8 @@ class Drafter(Protocol):
     one draft step on it to seed the serving policy's costs.
     """
 
-    backend: Backend | None
+    @property
+    def backend(self) -> Backend | None: ...
 
     def reset(self, row: int | None = None) -> None:
         """Forget any state from an earlier sequence in ``row`` (default: every row)."""
@@ -156,8 +157,10 @@ class ModelDrafter:
         """Each request's draft, shaped by its own ``branches``: the chains drafted together,
         the trees together, so a row drafts what it drafts alone whatever its neighbours ask
         (a chain beside a tree is still a chain, drawn as alone)."""
-        shapes = ([i for i, r in enumerate(requests) if r.branches == 1],)
-        shapes += ([i for i, r in enumerate(requests) if r.branches > 1],)
+        shapes = (
+            [i for i, r in enumerate(requests) if r.branches == 1],
+            [i for i, r in enumerate(requests) if r.branches > 1],
+        )
         drafts: list[Draft | None] = [None] * len(requests)
         for shape, draft in zip(shapes, (self._propose_chains, self._propose_trees), strict=True):
             if shape:
@@ -186,11 +189,11 @@ class ModelDrafter:
                 pending[i] = [token]
             active = [i for i in active if _drafts_more(requests[i], confidences[i])]
         drafts = []
-        for request, drafted, probs in zip(requests, tokens, rows, strict=True):
+        for request, drafted, drafted_rows in zip(requests, tokens, rows, strict=True):
             self._seen[request.row] = len(request.context)
             if drafted:  # the cache holds the context and every draft but the last
                 self._cached[request.row] = list(request.context) + drafted[:-1]
-            drafts.append(Draft(drafted, torch.cat(probs) if probs else None))
+            drafts.append(Draft(drafted, torch.cat(drafted_rows) if drafted_rows else None))
         return drafts
 
     def _propose_trees(self, requests: Sequence[DraftRequest]) -> list[Draft]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -111,7 +112,7 @@ class SpeculativeDecoder:
         self.max_draft_tokens = _max_draft_tokens(spec, max_draft_tokens)
         _check_draft(spec, draft)
         check_quant(draft_quant, "draft_quant")
-        load = {"dtype": dtype, "device": device, "threads": threads}
+        load: dict[str, Any] = {"dtype": dtype, "device": device, "threads": threads}
         quant = check_quant(verifier_quant, "verifier_quant")
         self.verifier = as_loaded("verifier", verifier, **load, quant=quant)
         self.tokenizer = self.verifier.tokenizer
@@ -132,9 +133,11 @@ class SpeculativeDecoder:
             return None
         if self.spec.drafter == "ngram":
             return NGramDrafter()
+        assert draft is not None  # _check_draft: the model drafter has a draft model
         loaded = as_loaded("draft", draft, **load)
         draft_backend = make_backend(loaded, backend, self.max_batch)
         if tokenizers_differ(self.verifier, loaded):
+            assert loaded.tokenizer is not None and self.tokenizer is not None  # both differ
             drafter = ModelDrafter(draft_backend, len(loaded.tokenizer), loaded.head_tokens)
             return CrossVocabDrafter(drafter, loaded.tokenizer, self.tokenizer)
         self.vocab_size = check_same_vocabulary(self.verifier, loaded)
@@ -312,9 +315,9 @@ class SpeculativeDecoder:
         timing = self._stepper.step([generation], [k], [policy.keep_drafting])
         policy.observe(timing)
 
-    def _single_stream_policy(self) -> SpeculationPolicy:
+    def _single_stream_policy(self) -> SpeculationPolicy | None:
         """The policy of ``generate`` calls that leave K open: calibrated once, then kept (it
-        learns this engine's acceptance as it goes)."""
+        learns this engine's acceptance as it goes); None when nothing is drafted."""
         if self._policy is None:
             self._policy = self.calibrated_policy()
         return self._policy

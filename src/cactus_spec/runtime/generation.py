@@ -355,6 +355,7 @@ class Generation:
             text = text.rstrip("\ufffd")
             text = text[: len(text) - held_back(text, self.stop)]
         if text.startswith(self.streamed) and len(text) > len(self.streamed):
+            assert self.on_text is not None  # emit streams to a listener only
             self.on_text(text[len(self.streamed) :])
             self.streamed = text
 

@@ -120,8 +120,8 @@ class Grammar:
                 text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
             case "json_schema":
                 text = llguidance.LLMatcher.grammar_from_json_schema(self.source)
-            case _:
-                text = llguidance.grammar_from(self.kind, self.source)
+            case "regex" | "lark" | "gbnf" as kind:
+                text = llguidance.grammar_from(kind, self.source)
         return text
 
 
@@ -144,7 +144,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.limits = GrammarLimits() if limits is None else limits
-        self._tokenizer = None
+        self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.Lock()
 

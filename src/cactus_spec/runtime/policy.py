@@ -329,6 +329,7 @@ def calibrated_policy(
         return _timed_spread(verifier, tokens, slots)
 
     def draft_step(rows: int) -> float:
+        assert draft_backend is not None  # timed only with a draft model
         return _timed_spread(draft_backend, rows, rows)
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)

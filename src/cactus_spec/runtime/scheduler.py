@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig
@@ -146,12 +146,16 @@ class Rows(Protocol):
         """Tokens the drafter would read for each generation before drafting."""
 
 
-class Scheduler:
+#: The engine a scheduler runs on (what its owner reads of it beyond ``Rows``).
+Engine = TypeVar("Engine", bound=Rows)
+
+
+class Scheduler(Generic[Engine]):
     """Runs requests on ``engine``'s rows (``engine.max_batch`` at a time)."""
 
     def __init__(
         self,
-        engine: Rows,
+        engine: Engine,
         max_queue: int = 64,
         policy: SpeculationPolicy | None = None,
         prefill_chunk: int | None = None,

@@ -40,7 +40,7 @@ def score(
         else:
             out[i] = (0.0, True)
             if on_scored is not None:
-                on_scored(i, out[i])
+                on_scored(i, (0.0, True))
     batches = list(groups.items())
     for start in range(0, len(batches), backend.slots):
         chunk = batches[start : start + backend.slots]

@@ -289,13 +289,14 @@ def _keep(
     verifier's cache, emit them with the row's own token and meter them: (tokens emitted,
     drafts accepted). A lossy rule's drafts away from temperature 0 are judged against the
     kind's judged rows (its targets on blocks and trees) and metered; the rest against q."""
-    kind = g.verification
+    kind, rule = g.verification, g.spec.rule
     metered = bool(draft.tokens) and not g.sampling.greedy and not g.spec.lossless
-    judged = kind.judged_rows(g.spec.rule, draft, q) if metered else q  # [K+1, V]
     if draft.tokens:
-        tokens, path = kind.judge(g.spec.rule, draft, judged, g.generator, g.sampling.greedy)
+        assert rule is not None  # a row drafts only by a method that drafts
+        judged = kind.judged_rows(rule, draft, q) if metered else q  # [K+1, V]
+        tokens, path = kind.judge(rule, draft, judged, g.generator, g.sampling.greedy)
     else:
-        tokens, path = [draw(q[-1:], g.sampling.greedy, g.generator)], []
+        judged, tokens, path = q, [draw(q[-1:], g.sampling.greedy, g.generator)], []
     accepted = len(tokens) - 1
     if trees:
         verifier.commit_path(path_rows(path), g.row)
@@ -304,8 +305,9 @@ def _keep(
     count = g.emit(tokens, kind.emitted_rows(q, path) if draft.tokens else q)
     g.stats.record(draft.depth, accepted, count)
     if metered:
+        assert rule is not None  # metered: a lossy rule
         start = time.perf_counter()
-        divergence = kind.divergence(g.spec.rule, draft, q, judged, path, count)  # [P]
+        divergence = kind.divergence(rule, draft, q, judged, path, count)  # [P]
         g.stats.kl_nats += float(divergence.sum())
         g.stats.time_audit_s += time.perf_counter() - start
     return count, accepted

@@ -33,7 +33,7 @@ from torch import Tensor
 from cactus_spec.core.audit import kl, step_divergences
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.budget import Budget, Plan
-from cactus_spec.core.rules import Rule, SpS, draft_row
+from cactus_spec.core.rules import Cactus, Rule, SpS, draft_row
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.traversal_verification import verify_traversal
@@ -112,11 +112,13 @@ class Tree(Verification):
     emits_targets = True
 
     def judged_rows(self, rule: Rule, draft: Draft, q: Tensor) -> Tensor:
+        assert draft.probs is not None  # trees are drawn by a draft model
         return judged_rows(draft.tree, q, draft.probs, rule)
 
     walk = staticmethod(verify_tree)  # top down
 
     def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
+        assert draft.probs is not None  # trees are drawn by a draft model
         walked = self.walk(draft.tree, judged, draft.probs, generator, greedy)
         return walked.tokens, walked.path
 
@@ -161,6 +163,7 @@ class Budgeted(Verification):
 
     def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
         rows = path_rows(path)[:count] if self.trees else list(range(count))
+        assert self.plan is not None  # judged_rows planned these drafts
         self.budget.charge(self.plan, rows, count)
         return torch.tensor([self.plan.costs[r] for r in rows], dtype=torch.float64)
 
@@ -174,6 +177,7 @@ def verification_of(
     if spec.kl_budget is None or sampling.greedy:
         return kind
     cactus = spec.rule
+    assert isinstance(cactus, Cactus) and spec.allocation is not None  # a budget: Cactus only
     budget = Budget(spec.kl_budget, cactus.delta, cactus.exact, spec.allocation, length)
     return Budgeted(budget, kind)
 

@@ -69,7 +69,7 @@ class Answer:
         logprobs = self.logprobs(index, entries)
         if self.chat:
             delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+            choice: dict[str, object] = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": piece, "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
@@ -106,8 +106,9 @@ class Answer:
         for index, result in enumerate(results):
             logprobs = self.logprobs(index, result.logprobs)
             calls: list[dict] = []
+            choice: dict[str, object]
             if self.chat:
-                message = {"role": "assistant", "content": result.text}
+                message: dict[str, object] = {"role": "assistant", "content": result.text}
                 if self.tools:
                     message["content"], calls = parse_tool_calls(result.text or "")
                     if calls:

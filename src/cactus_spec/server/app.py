@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -42,6 +43,9 @@ from cactus_spec.server.protocol import (
 )
 from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools, tool_markers
 
+if TYPE_CHECKING:
+    from cactus_spec.runtime.engine import SpeculativeDecoder
+
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
 #: The largest request body read (a prompt filling a 32k context is well under it).
@@ -66,7 +70,7 @@ class ServerConfig:
     chat_template: str | None = None  # None: the tokenizer's
 
 
-def create_app(scheduler: Scheduler, config: ServerConfig) -> FastAPI:
+def create_app(scheduler: Scheduler[SpeculativeDecoder], config: ServerConfig) -> FastAPI:
     """The FastAPI app over a started ``scheduler``. ``app.state.drain(grace)`` is what
     SIGTERM runs (``run.serve``): see ``_Handler.drain``."""
     app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
@@ -180,7 +184,7 @@ def _too_large(limit: int) -> APIError:
 class _Handler:
     """Turns a checked request body into a scheduler request and its answer."""
 
-    def __init__(self, scheduler: Scheduler, config: ServerConfig) -> None:
+    def __init__(self, scheduler: Scheduler[SpeculativeDecoder], config: ServerConfig) -> None:
         self.scheduler = scheduler
         self.engine = scheduler.engine
         self.config = config
@@ -211,12 +215,14 @@ class _Handler:
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def requests(self, body: SamplingFields, chat: bool) -> list[Request]:
+    def requests(
+        self, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    ) -> list[Request]:
         """The scheduler requests of ``body``, one per choice (choice ``p n + i`` is prompt
         p's i-th, seeded ``seed + i``): every field checked, 400 naming the bad one."""
         self._check_model(body)
         sampling, spec = _sampling(body), self._spec(body)
-        max_tokens = self._max_tokens(body, chat)
+        max_tokens = self._max_tokens(body)
         prompts = self._prompts(body, chat)
         for ids in prompts:
             self._check_context(len(ids), max_tokens, spec)
@@ -226,6 +232,8 @@ class _Handler:
         grammar = body.grammar(self.tool_markers)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         logprobs, stops = body.logprob_count(), body.stops()
+        if logprobs is not None and self.engine.tokenizer is None:
+            raise APIError(400, "logprobs: this model has no tokenizer to spell tokens", "logprobs")
         penalties, stop_ids = self._penalties(body), self._stop_token_ids(body)
         requests = []
         for ids in prompts:
@@ -295,10 +303,11 @@ class _Handler:
         return ids
 
     def _token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token])
+        assert self.engine.tokenizer is not None  # requests refuses logprobs without one
+        return self.engine.tokenizer.decode([token])  # type: ignore[return-value]  # one text
 
-    def _max_tokens(self, body: SamplingFields, chat: bool) -> int:
-        given = body.max_completion_tokens if chat else None
+    def _max_tokens(self, body: SamplingFields) -> int:
+        given = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         return given or body.max_tokens or self.config.default_max_tokens
 
     async def _check_grammar(self, body: SamplingFields, grammar: Grammar | None) -> None:
@@ -326,19 +335,26 @@ class _Handler:
             )
             raise APIError(400, message, param)
         messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
-        tools = template_tools(body.tools) if body.tool_mode else None
+        tools = None
+        if body.tool_mode:
+            assert body.tools is not None  # tool_mode: tools are offered
+            tools = template_tools(body.tools)
         return self.engine.encode_chat(messages, tools, template)
 
-    def _prompts(self, body: SamplingFields, chat: bool) -> list[list[int]]:
+    def _prompts(
+        self, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    ) -> list[list[int]]:
         try:
-            if chat:
+            if isinstance(body, ChatCompletionRequest):
                 return [self._chat_prompt(body)]
             return [self.engine.encode(prompt, chat=False) for prompt in body.prompts()]
         except ValueError as err:
             param = "messages" if chat else "prompt"
             raise APIError(400, f"{param}: {err}", param) from None
 
-    async def run(self, request: HTTPRequest, body: SamplingFields, chat: bool):
+    async def run(
+        self, request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    ):
         if self.closing:
             raise APIError(503, f"{_SHUTTING_DOWN}; retry elsewhere", code="shutting_down")
         pendings = self.requests(body, chat)
@@ -363,7 +379,7 @@ class _Handler:
             self.live[pending] = events
         text = None if pendings[0].logprobs is None else self._token_text
         prompt_tokens = sum(len(p.prompt_ids) for p in pendings[:: body.n])
-        tools = chat and body.tool_mode
+        tools = isinstance(body, ChatCompletionRequest) and body.tool_mode
         answer = Answer(
             self.config.model_id, chat, prompt_tokens, len(pendings), body.n, text, tools
         )

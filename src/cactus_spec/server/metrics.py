@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from cactus_spec.runtime.scheduler import Scheduler
 
 _PREFIX = "cactus_spec"
@@ -14,7 +16,7 @@ def prometheus_text(scheduler: Scheduler, invalid: int = 0) -> str:
     c = scheduler.counters
     lines: list[str] = []
 
-    def metric(name: str, kind: str, help_text: str, samples: dict[str, float]) -> None:
+    def metric(name: str, kind: str, help_text: str, samples: Mapping[str, float]) -> None:
         lines.append(f"# HELP {_PREFIX}_{name} {help_text}")
         lines.append(f"# TYPE {_PREFIX}_{name} {kind}")
         for labels, value in samples.items():

@@ -184,10 +184,13 @@ class ResponseFormat(BaseModel):
             if self.type == "json_object":
                 return Grammar("json_object")
             if self.type == "json_schema":
+                assert self.json_schema is not None  # required, checked above
                 return Grammar.json_schema(self.json_schema.json_schema)
             if self.type == "regex":
+                assert self.regex is not None  # required, checked above
                 return Grammar("regex", self.regex)
             if self.type == "grammar":
+                assert self.grammar is not None  # required, checked above
                 return Grammar(self.syntax, self.grammar)
         except ValueError as err:
             raise APIError(400, f"response_format: {err}", "response_format") from None
@@ -273,7 +276,7 @@ class CompletionRequest(SamplingFields):
                 f"prompt: {len(prompts)} prompts x n = {self.n} exceed {MAX_CHOICES} choices",
                 "prompt",
             )
-        return prompts
+        return prompts  # type: ignore[return-value]  # many: a list of texts or of id lists
 
 
 class TextPart(BaseModel):
@@ -359,6 +362,7 @@ class ChatCompletionRequest(SamplingFields):
         if not self.tool_mode:
             return shaped
         choice = self.tool_choice or "auto"
+        assert self.tools is not None  # tool_mode: tools are offered
         try:
             forced = tool_grammar(self.tools, choice, self.parallel_tool_calls, markers)
         except ValueError as err:

@@ -114,7 +114,8 @@ class _HeadTimeout(H11Protocol):
 
 def _config(app, host: str, port: int, header_timeout_s: float) -> uvicorn.Config:
     protocol = functools.partial(_HeadTimeout, header_timeout_s=header_timeout_s)
-    return uvicorn.Config(app, host=host, port=port, http=protocol, log_level="warning")
+    # uvicorn calls ``http`` to make each connection's protocol: a factory serves as a class
+    return uvicorn.Config(app, host=host, port=port, http=protocol, log_level="warning")  # type: ignore[arg-type]
 
 
 def serve(

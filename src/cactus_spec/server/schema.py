@@ -57,7 +57,7 @@ def install(app: FastAPI, model_id: str) -> None:
             app.openapi_schema = describe(app, model_id)
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to replace it
 
 
 def describe(app: FastAPI, model_id: str) -> dict:

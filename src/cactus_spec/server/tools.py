@@ -67,7 +67,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 def defines_tool_calls(template: str | None) -> bool:
     """Whether a chat template defines the tool-call format read here."""
-    return bool(template) and OPEN in template
+    return template is not None and OPEN in template
 
 
 def template_tools(tools: list[Tool]) -> list[dict]:

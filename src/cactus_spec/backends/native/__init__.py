@@ -121,3 +121,10 @@ def load() -> ModuleType | None:
 def available() -> bool:
     """Whether the native kernels are in use."""
     return load() is not None
+
+
+def loaded() -> ModuleType:
+    """The compiled extension, for callers that checked ``available()``."""
+    kernels = load()
+    assert kernels is not None, "the native kernels are not available"
+    return kernels
