@@ -41,7 +41,7 @@ def test_build_rule_defaults_and_overrides() -> None:
         (["--method", "cactus", "--allocation", "paced"], "--allocation applies with --kl-budget"),
         (
             ["--method", "cactus", "--kl-budget", "1", "--allocation", "all"],
-            "--allocation must be one of greedy, paced, got 'all'",
+            "--allocation must be one of greedy, paced, marginal, got 'all'",
         ),
         (["--method", "tas", "--epsilon", "2"], r"epsilon must be a number in \[0, 1\]"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1 or auto, got 0"),

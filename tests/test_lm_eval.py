@@ -19,6 +19,7 @@ import torch
 from conftest import AR, spec_of
 
 from cactus_spec.core.rules import SpS
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
@@ -220,6 +221,22 @@ def test_rolling_loglikelihood_in_windows(
     want = sum(forward_logprob(smollm.model, ctx, cont)[0] for ctx, cont in pairs)
     assert windowed == pytest.approx(want, abs=1e-3)
     assert abs(windowed - whole) > 0.1  # the windows did cut the context
+
+
+def test_a_long_prompt_is_cut_to_leave_room_for_a_whole_draft_tree(smollm: LoadedModel) -> None:
+    """The prompt is cut so prompt + max_gen_toks + every node of one draft tree fit the
+    cache (what ``check_context`` asks); a chain reserves its K alone (the control)."""
+    from cactus_spec.lm_eval.model import CactusSpecLM
+
+    tree = {"verification": "tree", "branches": 3, "num_draft_tokens": 4}
+    lm = CactusSpecLM(verifier=smollm, draft=smollm, method="sps", max_batch=1, **tree)
+    context = lm.engine.context_length
+    fitted = lm._fit_prompt(list(range(context)), 10)
+    assert len(fitted) == context - 10 - 4 * 3
+    lm.engine.check_context(len(fitted), 10)  # no overflow
+    with pytest.raises(ValueError, match="context overflow"):
+        lm.engine.check_context(len(fitted) + 1, 10)
+    assert lm.engine.draft_reserve(DecodeSpec.of("sps", num_draft_tokens=4)) == 4
 
 
 def test_chat_template_is_the_tokenizers(sps_lm, smollm: LoadedModel) -> None:

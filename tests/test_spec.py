@@ -145,7 +145,7 @@ def test_an_answers_budget_is_cactus_with_an_allocation():
         ({"method": "cactus", "kl_budget": "x"}, "kl_budget must be a finite number >= 0"),
         (
             {"method": "cactus", "kl_budget": 0.1, "allocation": "lavish"},
-            "allocation must be one of greedy, paced, got 'lavish'",
+            "allocation must be one of greedy, paced, marginal, got 'lavish'",
         ),
         ({"method": "cactus", "allocation": "paced"}, "allocation applies with kl_budget only"),
         ({"method": "ar", "kl_budget": 0.1}, "kl_budget does not apply to method ar"),

@@ -94,8 +94,9 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
     p.add_argument(
         "--allocation",
         help=f"with --kl-budget, each position's share, one of {', '.join(ALLOCATIONS)}: "
-        "greedy (all that is left, default) or paced (what is left spread over the tokens "
-        "still to come)",
+        "greedy (all that is left, default), paced (what is left spread over the tokens "
+        "still to come) or marginal (all that is left, for the positions whose acceptance "
+        "per nat is highest)",
     )
     for name, takers in _method_flags().items():
         first = takers[0][1]

@@ -246,8 +246,9 @@ class CactusSpecLM(TemplateLM):
         return self.engine.encode(context, chat=False)
 
     def _fit_prompt(self, ids: list[int], max_new: int) -> list[int]:
-        """``ids`` cut from the left so prompt + max_new (+ K drafts) fit the window."""
-        drafts = self.engine.draft_tokens(self.engine.spec)  # K left open (auto): the cap
+        """``ids`` cut from the left so prompt + max_new (+ one iteration's drafts, a tree's
+        every node) fit the window."""
+        drafts = self.engine.draft_reserve()  # K left open (auto): the cap
         window = min(self.max_length, self.engine.context_length - drafts)
         room = window - max_new
         if room < 1:

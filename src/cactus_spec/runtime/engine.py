@@ -212,6 +212,12 @@ class SpeculativeDecoder:
             return 0
         return self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
 
+    def draft_reserve(self, spec: DecodeSpec | None = None) -> int:
+        """The cache slots one iteration's drafts may take beyond the context by ``spec``
+        (default: the engine's): K, or K x branches for a draft tree (every node)."""
+        spec = self._spec(spec)
+        return self.draft_tokens(spec) * (spec.branches if spec.trees else 1)
+
     def check_context(
         self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None
     ) -> None:
@@ -220,10 +226,9 @@ class SpeculativeDecoder:
         every node)."""
         spec = self._spec(spec)
         parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
-        if spec.drafts and spec.trees:
-            parts["num_draft_tokens x branches"] = self.draft_tokens(spec) * spec.branches
-        elif spec.drafts:
-            parts["num_draft_tokens"] = self.draft_tokens(spec)
+        if spec.drafts:
+            name = "num_draft_tokens x branches" if spec.trees else "num_draft_tokens"
+            parts[name] = self.draft_reserve(spec)
         if sum(parts.values()) > self.context_length:
             terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
             raise ValueError(
