@@ -46,7 +46,14 @@ from pathlib import Path
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
-from cactus_spec.core.spec import AUTO_K, BUDGET_METHODS, TREES, DecodeSpec, parse_spec
+from cactus_spec.core.spec import (
+    AUTO_K,
+    BUDGET_KEYS,
+    BUDGET_METHODS,
+    TREES,
+    DecodeSpec,
+    parse_spec,
+)
 
 HF_METHODS = ("hf", "hf_assisted")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_lookup")
@@ -58,8 +65,6 @@ PEERS: dict[str, dict[str, int]] = {
     "llamacpp": {},
     "llamacpp_lookup": {"num_pred_tokens": 10},  # llama-cpp-python's default
 }
-#: The spec's keys an entry of a method with an answer's budget may hold beside its parameters.
-BUDGET_KEYS = ("kl_budget", "allocation")
 #: Every method a grid may name: the engine's, then the peers.
 NAMES = (*METHODS, *PEERS)
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).

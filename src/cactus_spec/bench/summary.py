@@ -19,10 +19,11 @@ import statistics
 from collections.abc import Sequence
 
 from cactus_spec.bench.bound import measured_bound
-from cactus_spec.bench.grid import BUDGET_KEYS, Config
+from cactus_spec.bench.grid import Config
 from cactus_spec.bench.stats import Interval, median_spread, paired_difference, wilson
 from cactus_spec.bench.tasks import Item
 from cactus_spec.core.budget import pinsker_bound
+from cactus_spec.core.spec import BUDGET_KEYS
 
 _SUMMED = ("iterations", "drafted", "accepted", "new_tokens", "kl_nats")
 _SUMMED_TIMES = ("time_draft_s", "time_verify_s", "time_total_s")

@@ -65,28 +65,13 @@ VERIFICATIONS = ("chain", "block", "tree", "traversal")
 TREES = ("tree", "traversal")
 #: A tree's nodes per depth when none is given.
 DEFAULT_BRANCHES = 2
-#: Every key a spec mapping may hold: the spec's own and every method parameter.
-SPEC_KEYS = (
-    "method",
-    "num_draft_tokens",
-    "drafter",
-    "verification",
-    "branches",
-    "kl_budget",
-    "allocation",
-    *dict.fromkeys(p.name for m in METHODS.values() for p in m.params),
-)
-_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+#: An answer's divergence budget and how it is spent (Cactus only).
+BUDGET_KEYS = ("kl_budget", "allocation")
 #: The spec's own keys (the rest of SPEC_KEYS are method parameters).
-_OWN_KEYS = (
-    "method",
-    "num_draft_tokens",
-    "drafter",
-    "verification",
-    "branches",
-    "kl_budget",
-    "allocation",
-)
+_OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches", *BUDGET_KEYS)
+#: Every key a spec mapping may hold: the spec's own and every method parameter.
+SPEC_KEYS = (*_OWN_KEYS, *dict.fromkeys(p.name for m in METHODS.values() for p in m.params))
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 #: The methods that take ``kl_budget``.
 BUDGET_METHODS = ("cactus",)
 

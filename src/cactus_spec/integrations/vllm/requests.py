@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cactus_spec.core.spec import SPEC_KEYS, DecodeSpec, parse_spec
+from cactus_spec.core.spec import BUDGET_KEYS, SPEC_KEYS, DecodeSpec, parse_spec
 
 PREFIX = "cactus_"
 DEFAULT_KEY = "cactus_spec"
@@ -23,8 +23,6 @@ DEFAULT_KEY = "cactus_spec"
 _VLLM_OWNED = ("num_draft_tokens", "drafter")
 #: The verifications of one drafted chain, the only shape vLLM drafts.
 VERIFICATIONS = ("chain", "block")
-#: Spec keys only cactus-spec's own engine takes: an answer's budget.
-_ENGINE_ONLY = ("kl_budget", "allocation")
 
 
 def default_spec(additional_config: Mapping | None) -> DecodeSpec | None:
@@ -57,13 +55,13 @@ def _parse(values: Mapping, base: DecodeSpec | None, prefix: str) -> DecodeSpec:
             )
     if "branches" in values:
         raise ValueError(f"{prefix}branches does not apply in vLLM: it drafts one chain")
-    for key in _ENGINE_ONLY:
+    for key in BUDGET_KEYS:
         if key in values:
             raise ValueError(
                 f"{prefix}{key} does not apply in vLLM: the plugin spends delta per position; "
                 "an answer's budget is cactus-spec's own engine and server (DESIGN says why)"
             )
-    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches", *_ENGINE_ONLY)]
+    allowed = [key for key in SPEC_KEYS if key not in (*_VLLM_OWNED, "branches", *BUDGET_KEYS)]
     unknown = [key for key in values if key not in allowed]
     if unknown:
         names = ", ".join(prefix + key for key in allowed)
