@@ -22,13 +22,22 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.scheduler import Request
+from cactus_spec.runtime.generation import Request
 
 
 def run(engine: SpeculativeDecoder, prompts: list[str], k: int, new_tokens: int) -> str:
     spec = DecodeSpec.of("sps", num_draft_tokens=k) if k else DecodeSpec.of("ar")
     gens = [
-        engine.new_generation(Request(engine.encode(p), new_tokens, SamplingConfig(), i, spec), i)
+        engine.new_generation(
+            Request(
+                prompt_ids=engine.encode(p),
+                max_new_tokens=new_tokens,
+                sampling=SamplingConfig(),
+                seed=i,
+                spec=spec,
+            ),
+            i,
+        )
         for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()

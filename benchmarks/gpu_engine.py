@@ -29,7 +29,7 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import as_loaded
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.scheduler import Request
+from cactus_spec.runtime.generation import Request
 
 BATCHES = (1, 4, 8, 16)
 CONTEXT = 256
@@ -84,7 +84,16 @@ def tree_ms(backend, branches: int, rows: int, depth: int = 6) -> float:
 def ar_tokens_per_s(engine: SpeculativeDecoder, rows: int, new: int) -> float:
     ar = DecodeSpec.of("ar")
     gens = [
-        engine.new_generation(Request([1 + r] * 32, new, SamplingConfig(), r, ar), r)
+        engine.new_generation(
+            Request(
+                prompt_ids=[1 + r] * 32,
+                max_new_tokens=new,
+                sampling=SamplingConfig(),
+                seed=r,
+                spec=ar,
+            ),
+            r,
+        )
         for r in range(rows)
     ]
     engine.prefill(gens)

@@ -75,18 +75,18 @@ def spec_of(method: str, drafter: str):
 def decode(engine, case: dict) -> list[list[int]]:
     """The new tokens of every row of ``case``, all rows decoded together."""
     from cactus_spec.core.sampling import SamplingConfig
-    from cactus_spec.runtime.batch import Prompt
+    from cactus_spec.runtime.generation import Request
 
-    prompts = [
-        Prompt(
-            engine.encode(PROMPTS[row]),
-            NEW_TOKENS,
-            case["seed"] + 1000 * row,
+    requests = [
+        Request(
+            prompt_ids=engine.encode(PROMPTS[row]),
+            max_new_tokens=NEW_TOKENS,
+            seed=case["seed"] + 1000 * row,
             spec=spec_of(method, case["drafter"]),
         )
         for row, method in enumerate(case["rows"])
     ]
-    return [r.token_ids for r in engine.decode_many(prompts, SamplingConfig())]
+    return [r.token_ids for r in engine.decode_many(requests, SamplingConfig())]
 
 
 def run(out: Path) -> None:

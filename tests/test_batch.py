@@ -14,9 +14,8 @@ from cactus_spec.core.rules import TAS, Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.generation import Generation
+from cactus_spec.runtime.generation import Generation, Request
 from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
-from cactus_spec.runtime.scheduler import Request
 from cactus_spec.runtime.stepper import StepTiming
 
 #: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
@@ -39,7 +38,13 @@ def decoder(batch: int, device: str = "cpu") -> SpeculativeDecoder:
 def start(d: SpeculativeDecoder, index: int, row: int = 0) -> Generation:
     """The generation of ROWS[index] in ``row`` of the engine."""
     prompt, seed, sampling, rule, k = ROWS[index]
-    request = Request(prompt, LENGTHS[index], sampling, seed, spec_of(rule, k))
+    request = Request(
+        prompt_ids=prompt,
+        max_new_tokens=LENGTHS[index],
+        sampling=sampling,
+        seed=seed,
+        spec=spec_of(rule, k),
+    )
     return d.new_generation(request, row)
 
 
@@ -265,7 +270,9 @@ def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
 
 
 def generation(d: SpeculativeDecoder, prompt: list[int], spec) -> Generation:
-    return d.new_generation(Request(prompt, 50, SamplingConfig(), 0, spec), 0)
+    return d.new_generation(
+        Request(prompt_ids=prompt, max_new_tokens=50, sampling=SamplingConfig(), spec=spec), 0
+    )
 
 
 def _taught(policy: SpeculationPolicy, confidence: float, kept_share: float) -> None:
@@ -287,10 +294,10 @@ def test_a_single_stream_stops_drafting_where_the_drafts_confidence_says_it_woul
     assert free.keep_drafting([0.995, 0.05])
 
 
-def test_the_stepper_drafts_no_further_than_the_stopping_rule_allows() -> None:
+def test_a_step_drafts_no_further_than_the_stopping_rule_allows() -> None:
     d = decoder(1)
     g = generation(d, [1, 2, 3], spec_of(SpS(), 6))
-    timing = d._stepper.step([g], [6], [lambda confidences: len(confidences) < 2])
+    timing = d.step([g], [6], [lambda confidences: len(confidences) < 2])
     assert timing.draft_steps == 2 and len(timing.confidences[0]) == 2
     assert all(0 < c <= 1 for c in timing.confidences[0])
     assert timing.kept[0] == g.stats.accepted
@@ -298,9 +305,11 @@ def test_the_stepper_drafts_no_further_than_the_stopping_rule_allows() -> None:
 
 def test_generate_with_k_left_open_keeps_the_verifiers_greedy_tokens() -> None:
     target = make_tiny_lm(seed=3)
-    open_k = SpeculativeDecoder(target, noisy_copy(target, 0.5, 1), spec_of(SpS(), None))
-    open_k._policy = policy_with(0.0001, {1: 0.050, 16: 0.050})  # drafting pays (no timing)
+    pays = policy_with(0.0001, {1: 0.050, 16: 0.050})  # drafting pays (no timing)
+    open_k = SpeculativeDecoder(
+        target, noisy_copy(target, 0.5, 1), spec_of(SpS(), None), policy=pays
+    )
     ar = SpeculativeDecoder(target, spec=AR)
     prompt = [5, 17, 3, 99, 42]
     assert open_k.generate(prompt, 30, 0.0).token_ids == ar.generate(prompt, 30, 0.0).token_ids
-    assert sum(open_k._policy.bin_reached) > 0  # it drafted, and learned from the outcomes
+    assert sum(pays.bin_reached) > 0  # it drafted, and learned from the outcomes

@@ -8,8 +8,8 @@ import pytest
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 from cactus_spec.runtime.verifications import verification_of
 
 pytestmark = pytest.mark.slow
@@ -43,10 +43,10 @@ def engine():
     )
 
 
-def _prompts(engine, seeds: list[int]) -> list[Prompt]:
+def _prompts(engine, seeds: list[int]) -> list[Request]:
     ids = engine.encode("Write a long story about a dragon.")
     return [
-        Prompt(ids, 24, seed=seed, spec=spec.with_num_draft_tokens(3))
+        Request(prompt_ids=ids, max_new_tokens=24, seed=seed, spec=spec.with_num_draft_tokens(3))
         for spec, seed in zip(KINDS, seeds, strict=True)
     ]
 

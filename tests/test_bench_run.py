@@ -20,6 +20,7 @@ from cactus_spec.bench.tasks import Item, TaskSpec, load_items
 from cactus_spec.cli import main
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.loading.models import load_model
+from cactus_spec.loading.options import LoadOptions
 
 GRID = [
     "ar",
@@ -280,12 +281,17 @@ def test_the_bench_loads_each_model_and_head_once(monkeypatch) -> None:
     from cactus_spec.bench import command
 
     calls = []
-    monkeypatch.setattr(command, "_load", lambda *a: calls.append(a) or object())
-    load = command._loader(None)
+
+    def loaded(name, source, *, quant, head_vocab, **options):
+        calls.append((source, quant))
+        return object()
+
+    monkeypatch.setattr(command, "as_loaded", loaded)
+    load = command._loader(LoadOptions())
     verifier = load("v", "none", None)
     assert load("v", "none", None) is verifier and load("d", "int8", 7) is load("d", "int8", 7)
     assert load("d", "int8", None) is not load("d", "int8", 7) and load("v", "int8", None)
-    assert [a[0::2] for a in calls] == [("v", "none"), ("d", "int8"), ("d", "int8"), ("v", "int8")]
+    assert calls == [("v", "none"), ("d", "int8"), ("d", "int8"), ("v", "int8")]
 
 
 def test_a_resumed_run_drops_a_line_cut_short_by_a_crash(tmp_path, capsys) -> None:

@@ -16,8 +16,8 @@ from cactus_spec.core.rules import Cactus
 from cactus_spec.core.sampling import SamplingConfig, one_hot
 from cactus_spec.core.spec import DecodeSpec, parse_spec
 from cactus_spec.core.tree_verification import TokenTree
-from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 
 V = 5
 
@@ -232,7 +232,7 @@ def engine():
 def decode(engine, spec: DecodeSpec, seed: int, tokens: int = 48):
     ids = engine.encode(PROMPT)
     spec = parse_spec({"drafter": "ngram", "num_draft_tokens": 4}, base=spec)
-    prompt = Prompt(ids, tokens, seed=seed, spec=spec)
+    prompt = Request(prompt_ids=ids, max_new_tokens=tokens, seed=seed, spec=spec)
     return engine.decode_many([prompt], SAMPLING)[0]
 
 

@@ -4,6 +4,8 @@ hands each result over once, and stops on a failing callback."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import AR, make_tiny_lm, spec_of
 from test_engine import noisy_copy
@@ -11,15 +13,15 @@ from test_engine import noisy_copy
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 
 PROMPTS = [
-    Prompt([5, 17, 3, 99], 20, seed=1),
-    Prompt([8, 9], 9, seed=2),
-    Prompt([3] * 12 + [4], 25, seed=3),
-    Prompt([11, 12, 13], 6, seed=4),
-    Prompt([60, 61, 62, 63, 64], 14, seed=5),
+    Request(prompt_ids=[5, 17, 3, 99], max_new_tokens=20, seed=1),
+    Request(prompt_ids=[8, 9], max_new_tokens=9, seed=2),
+    Request(prompt_ids=[3] * 12 + [4], max_new_tokens=25, seed=3),
+    Request(prompt_ids=[11, 12, 13], max_new_tokens=6, seed=4),
+    Request(prompt_ids=[60, 61, 62, 63, 64], max_new_tokens=14, seed=5),
 ]
 SAMPLING = SamplingConfig(0.8, 0, 1.0)
 
@@ -34,7 +36,7 @@ def decoder(batch: int) -> SpeculativeDecoder:
 def test_more_prompts_than_rows_each_give_their_tokens_alone() -> None:
     single = decoder(1)
     expected = [
-        single.generate(p.ids, p.max_new_tokens, 0.8, 0, 1.0, seed=p.seed).token_ids
+        single.generate(p.prompt_ids, p.max_new_tokens, 0.8, 0, 1.0, seed=p.seed).token_ids
         for p in PROMPTS
     ]
     seen: list[int] = []
@@ -46,7 +48,7 @@ def test_more_prompts_than_rows_each_give_their_tokens_alone() -> None:
 
 def test_negative_control_other_seeds_give_other_tokens() -> None:
     results = decoder(2).decode_many(PROMPTS, SAMPLING)
-    reseeded = [Prompt(p.ids, p.max_new_tokens, p.seed + 100) for p in PROMPTS]
+    reseeded = [replace(p, seed=p.seed + 100) for p in PROMPTS]
     others = decoder(2).decode_many(reseeded, SAMPLING)
     assert [r.token_ids for r in results] != [r.token_ids for r in others]
 
@@ -66,19 +68,33 @@ def test_a_failing_callback_stops_the_run_and_is_raised() -> None:
 
 def test_bad_input_is_refused_before_decoding() -> None:
     with pytest.raises(ValueError, match="seed"):
-        decoder(1).decode_many([Prompt([1, 2], 4, seed=-1)], SAMPLING)
+        decoder(1).decode_many([Request(prompt_ids=[1, 2], max_new_tokens=4, seed=-1)], SAMPLING)
     with pytest.raises(ValueError, match="context overflow"):
-        decoder(1).decode_many([Prompt([1, 2], 10_000)], SAMPLING)
+        decoder(1).decode_many([Request(prompt_ids=[1, 2], max_new_tokens=10_000)], SAMPLING)
 
 
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        (Prompt([], 4), r"prompts\[1\]: prompt must not be empty"),
-        (Prompt([1, 500], 4), r"prompts\[1\]: prompt token ids must lie in \[0, 128\)"),
-        (Prompt([1, 2], 0), "max_new_tokens must be an integer >= 1, got 0"),
-        (Prompt([1, 2], 4, stop=("",)), "stop strings must be non-empty"),
-        (Prompt([1, 2], 4, spec=DecodeSpec.of("sps", drafter="ngram")), "drafts with ngram"),
+        (Request(prompt_ids=[], max_new_tokens=4), r"requests\[1\]: prompt must not be empty"),
+        (
+            Request(prompt_ids=[1, 500], max_new_tokens=4),
+            r"requests\[1\]: prompt token ids must lie in \[0, 128\)",
+        ),
+        (
+            Request(prompt_ids=[1, 2], max_new_tokens=0),
+            "max_new_tokens must be an integer >= 1, got 0",
+        ),
+        (
+            Request(prompt_ids=[1, 2], max_new_tokens=4, stop=("",)),
+            "stop strings must be non-empty",
+        ),
+        (
+            Request(
+                prompt_ids=[1, 2], max_new_tokens=4, spec=DecodeSpec.of("sps", drafter="ngram")
+            ),
+            "drafts with ngram",
+        ),
     ],
 )
 def test_every_prompt_is_checked_as_generate_checks_it(prompt, message) -> None:

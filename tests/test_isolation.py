@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import openai
 import pytest
@@ -20,8 +21,9 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import load_model
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 from cactus_spec.runtime.grammar import Grammar, GrammarLimits
-from cactus_spec.runtime.scheduler import Request, Scheduler
+from cactus_spec.runtime.scheduler import Scheduler
 from cactus_spec.server.app import ServerConfig, create_app
 from cactus_spec.server.run import BackgroundServer, start_scheduler
 
@@ -122,8 +124,7 @@ def _run(engine, requests: list[Request]) -> dict[int, object]:
 
     scheduler = Scheduler(engine, max_queue=len(requests))
     for i, request in enumerate(requests):
-        request.on_done, request.on_error = record(i), record(i)
-        scheduler.submit(request)
+        scheduler.submit(replace(request, on_done=record(i), on_error=record(i)))
     scheduler.start()
     assert done.wait(120)
     scheduler.stop()
@@ -133,10 +134,14 @@ def _run(engine, requests: list[Request]) -> dict[int, object]:
 def _story(engine, seed: int, spec: DecodeSpec, **fields) -> Request:
     ids = engine.encode("Write a long story about a dragon.")
     k3 = spec.with_num_draft_tokens(3)
-    request = Request(ids, 32, SamplingConfig(temperature=1.0), seed, k3)
-    for name, value in fields.items():
-        setattr(request, name, value)
-    return request
+    return Request(
+        prompt_ids=ids,
+        max_new_tokens=32,
+        sampling=SamplingConfig(temperature=1.0),
+        seed=seed,
+        spec=k3,
+        **fields,
+    )
 
 
 def test_a_row_that_fails_ends_alone_and_its_neighbour_keeps_its_tokens(lean_fuel) -> None:
@@ -235,26 +240,43 @@ def test_unsound_grammars_are_a_short_400_before_decoding(server, response_forma
     assert _metric(url, "cactus_spec_prefix_cache_queries_total") == started  # never decoded
 
 
-def test_tas_beside_a_tree_request_both_answer(server) -> None:
-    _, client = server
-    asks = [{"method": "tas"}, {"method": "sps", "verification": "tree", "branches": 2}]
-    with_threads = {}
+#: Four kinds of row (the server's four rows), TAS beside trees among them.
+SERVED_KINDS = [
+    {"method": "tas"},
+    {"method": "cactus", "verification": "block"},
+    {"method": "sps", "verification": "tree", "branches": 2},
+    {"method": "cactus", "delta": 0.5, "verification": "traversal", "branches": 2},
+]
 
-    def ask(i):
-        with_threads[i] = client.completions.create(
+
+def test_concurrent_clients_each_get_the_tokens_they_get_alone(server) -> None:
+    """The batch law through the server: clients asking for different kinds at once, seeded
+    at temperature 1, each get the text they get alone."""
+    _, client = server
+
+    def ask(i: int, seed: int) -> str:
+        answer = client.completions.create(
             model=MODEL_ID,
             prompt="Once upon a time",
             max_tokens=24,
-            seed=i,
-            extra_body={"speculative": asks[i]},
+            seed=seed,
+            temperature=1.0,
+            extra_body={"speculative": SERVED_KINDS[i]},
         )
+        return answer.choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    alone = [ask(i, 50 + i) for i in range(len(SERVED_KINDS))]
+    together: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: together.__setitem__(i, ask(i, 50 + i)))
+        for i in range(len(SERVED_KINDS))
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert all(with_threads[i].choices[0].text for i in range(2))
+    assert [together[i] for i in range(len(SERVED_KINDS))] == alone
+    assert ask(0, 51) != alone[0]  # negative control: another seed, another text
 
 
 @pytest.mark.parametrize("verification", ["chain", "block", "tree", "traversal"])

@@ -17,8 +17,9 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import as_loaded
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 from cactus_spec.runtime.policy import SpeculationPolicy
-from cactus_spec.runtime.scheduler import Request, Scheduler
+from cactus_spec.runtime.scheduler import Scheduler
 
 SAMPLING = SamplingConfig(0.8, 0, 1.0)
 SHORT = [5, 17, 3, 99]
@@ -70,13 +71,29 @@ def serve_two(
 
     scheduler = Scheduler(d, max_queue=4, policy=policy, prefill_chunk=prefill_chunk)
     scheduler.start()
-    short = Request(SHORT, SHORT_BUDGET, SAMPLING, 1, spec, on_done=finish("short"))
-    short.ignore_eos = True
+    short = Request(
+        prompt_ids=SHORT,
+        max_new_tokens=SHORT_BUDGET,
+        sampling=SAMPLING,
+        seed=1,
+        spec=spec,
+        on_done=finish("short"),
+        ignore_eos=True,
+    )
     scheduler.submit(short)
     deadline = time.monotonic() + 30
     while not any(kind == "step" for kind, _ in d.log) and time.monotonic() < deadline:
         time.sleep(0.001)
-    scheduler.submit(Request(LONG, LONG_BUDGET, SAMPLING, 1, spec, on_done=finish("long")))
+    scheduler.submit(
+        Request(
+            prompt_ids=LONG,
+            max_new_tokens=LONG_BUDGET,
+            sampling=SAMPLING,
+            seed=1,
+            spec=spec,
+            on_done=finish("long"),
+        )
+    )
     assert done.wait(60)
     scheduler.stop()
     return d, out
@@ -85,8 +102,14 @@ def serve_two(
 def alone(prompt: list[int], budget: int, ignore_eos: bool = False) -> list[int]:
     """The tokens of ``prompt`` decoded alone."""
     d = engine()
-    request = Request(prompt, budget, SAMPLING, 1, d.spec)
-    request.ignore_eos = ignore_eos
+    request = Request(
+        prompt_ids=prompt,
+        max_new_tokens=budget,
+        sampling=SAMPLING,
+        seed=1,
+        spec=d.spec,
+        ignore_eos=ignore_eos,
+    )
     g = d.new_generation(request, 0)
     d.prefill([g])
     while not g.done:

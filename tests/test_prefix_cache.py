@@ -11,10 +11,9 @@ from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import as_loaded
-from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
-from cactus_spec.runtime.scheduler import Request
 
 SAMPLING = SamplingConfig(0.8, 0, 1.0)
 FIRST = [5, 17, 3, 99, 42, 7, 17, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22]
@@ -30,7 +29,10 @@ def decoder(prefix_cache: bool = True, batch: int = 2) -> SpeculativeDecoder:
 
 def run(d: SpeculativeDecoder, prompt: list[int], seed: int, row: int = 0):
     """Decode ``prompt`` in ``row`` to the end; the generation."""
-    g = d.new_generation(Request(prompt, 12, SAMPLING, seed, d.spec), row)
+    g = d.new_generation(
+        Request(prompt_ids=prompt, max_new_tokens=12, sampling=SAMPLING, seed=seed, spec=d.spec),
+        row,
+    )
     d.prefill([g])
     while not g.done:
         d.step([g], [4])
@@ -96,7 +98,9 @@ def test_a_batch_reuses_the_rows_of_earlier_prompts() -> None:
     """decode_many over prompts sharing a long system prefix: later prompts go to rows that
     hold the prefix, read only their own tail, and give the tokens they give uncached."""
     system = list(range(40, 70))
-    prompts = [Prompt(system + [i, i + 1, i + 2], 10, seed=i) for i in range(6)]
+    prompts = [
+        Request(prompt_ids=system + [i, i + 1, i + 2], max_new_tokens=10, seed=i) for i in range(6)
+    ]
     cached = decoder(batch=2).decode_many(prompts, SAMPLING)
     fresh = decoder(prefix_cache=False, batch=2).decode_many(prompts, SAMPLING)
     assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]

@@ -8,11 +8,12 @@ from conftest import AR, make_tiny_lm
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
+from cactus_spec.runtime.generation import Request
+from cactus_spec.runtime.scheduler import QueueFullError, Scheduler
 
 
 def request() -> Request:
-    return Request([1, 2, 3], 4, SamplingConfig(), 0, AR)
+    return Request(prompt_ids=[1, 2, 3], max_new_tokens=4, sampling=SamplingConfig(), spec=AR)
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,8 @@ def test_greedy_tree_of_a_depth_left_open_equals_verifier_greedy() -> None:
     target = make_tiny_lm(seed=3)
     draft = noisy_copy(target, 0.5, seed=1)
     spec = DecodeSpec.of("sps", num_draft_tokens="auto", verification="traversal", branches=2)
-    decoder = SpeculativeDecoder(target, draft, spec, max_draft_tokens=4)
-    decoder._policy = policy_with(0.0001, {1: 0.050, 16: 0.050})  # drafting pays (no timing)
+    pays = policy_with(0.0001, {1: 0.050, 16: 0.050})  # drafting pays (no timing)
+    decoder = SpeculativeDecoder(target, draft, spec, max_draft_tokens=4, policy=pays)
     result = decoder.generate(PROMPT, max_new_tokens=40, temperature=0)
     ar = SpeculativeDecoder(target, spec=DecodeSpec.of("ar")).generate(PROMPT, 40, 0.0)
     assert result.token_ids == ar.token_ids

@@ -17,8 +17,11 @@ from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
 from cactus_spec.integrations.vllm.plugin import check_version, resolve, resolve_all
 from cactus_spec.integrations.vllm.requests import default_spec, request_spec
 from cactus_spec.integrations.vllm.sampler import RuleRow, judge_blocks, rule_targets, spans
+from cactus_spec.runtime.drafters import Draft
+from cactus_spec.runtime.verifications import Block, Verification
 
 CACTUS = DecodeSpec.of("cactus", delta=0.5)
+CHAIN = Verification()  # a row's kind: token by token
 BLOCK = DecodeSpec.of("sps", verification="block")
 
 
@@ -108,7 +111,7 @@ def test_blocks_judged_on_their_support_draw_what_the_whole_vocabulary_draws(
     p = torch.softmax(torch.randn(rows * n, vocab, generator=gen), -1)  # full support
     ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)  # [T]
     bonus = torch.randint(0, vocab, (rows, 1), generator=gen)
-    blocks = [RuleRow(i, str(i), spec, (i * n, i * n + n)) for i in range(rows)]
+    blocks = [RuleRow(i, str(i), spec, (i * n, i * n + n), Block()) for i in range(rows)]
     seeds = {i: torch.Generator().manual_seed(10 + i) for i in range(0, rows, 2)}  # 0, 2, 4
     draft_probs = None if one_hot_drafts else p
     out = torch.full((rows, n + 1), -1, dtype=torch.int32)
@@ -138,7 +141,7 @@ def test_the_meter_counts_kept_drafts_and_exact_kl(tmp_path, monkeypatch) -> Non
     meter = Meter()
     # a: 4 drafts, 2 kept then a recovered token; b: 4 drafts all kept plus the bonus token
     meter.record(
-        [Chain("a", CACTUS, 0, 4, 3, False), Chain("b", CACTUS, 4, 4, 5, False)], q, ids, None
+        [Chain("a", CACTUS, 0, 4, 3, CHAIN), Chain("b", CACTUS, 4, 4, 5, CHAIN)], q, ids, None
     )
     a, b = meter.finish("a"), meter.finish("b")
     assert (a.drafted, a.accepted, a.positions) == (4, 2, 3)
@@ -164,12 +167,12 @@ def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
     ids = torch.multinomial(p, 1, generator=gen).squeeze(-1)
     block = DecodeSpec.of("cactus", delta=0.5, verification="block")
     out = torch.full((1, 7), -1, dtype=torch.int32)
-    rows = [RuleRow(0, "b", block, (0, 6))]
+    rows = [RuleRow(0, "b", block, (0, 6), Block())]
     block_kl = judge_blocks(out, rows, q, ids.int(), p, torch.tensor([[ids[0]]]), {}, -1)
     emitted = int((out != -1).sum())
     positions = min(emitted, 6)
     meter = Meter()
-    chains = [Chain("b", block, 0, 6, emitted, True), Chain("c", CACTUS, 0, 6, emitted, False)]
+    chains = [Chain("b", block, 0, 6, emitted, Block()), Chain("c", CACTUS, 0, 6, emitted, CHAIN)]
     meter.record(chains, q, ids, p, block_kl)
     measured_block, measured_chain = meter.finish("b").kl_nats, meter.finish("c").kl_nats
     expected = kl(kl_target(q, p, 0.5), q)[:positions].sum()  # the whole vocabulary's t
@@ -182,10 +185,28 @@ def test_the_meter_reads_a_blocks_targets_not_the_chains_law() -> None:
         meter.record(chains[:1], q, ids, p)
 
 
+def test_the_engine_and_the_plugin_meter_one_hot_drafts_alike_at_any_vocabulary() -> None:
+    """One meter: an n-gram chain's KL in the engine (``Verification.divergence``, one row)
+    equals the plugin's (``Meter.record``), exact on a vocabulary wider than the audit's
+    support limit; the per-step audit on the same one-hot rows cannot measure it (the
+    control: NaN)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.softmax(torch.randn(5, 6000, generator=gen), -1)  # [T, V], no top-k
+    ids = torch.randint(0, 6000, (5,), generator=gen)
+    engine = CHAIN.divergence(CACTUS.rule, Draft(ids.tolist(), None), q, q, [], 4)  # 4 emitted
+    meter = Meter()
+    meter.record([Chain("n", CACTUS, 0, 5, 4, CHAIN)], q, ids, None)
+    assert torch.isfinite(engine).all() and engine.shape == (4,)
+    assert meter.finish("n").kl_nats == pytest.approx(float(engine.sum()), rel=1e-9)
+    assert float(engine.sum()) > 0
+    control = step_divergences(one_hot(ids[:4], 6000), q[:4], CACTUS.rule)
+    assert torch.isnan(control).all()
+
+
 def test_a_lossless_rule_spends_nothing() -> None:
     q = torch.softmax(torch.randn(4, 10), -1)
     meter = Meter()
-    meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2, False)], q, torch.zeros(4).long(), None)
+    meter.record([Chain("s", DecodeSpec.of("sps"), 0, 4, 2, CHAIN)], q, torch.zeros(4).long(), None)
     assert meter.finish("s").kl_nats == 0.0
 
 

@@ -55,7 +55,7 @@ _EXPORTS = {
     "build_rule": "cactus_spec.core.methods",
     "DecodeSpec": "cactus_spec.core.spec",
     "parse_spec": "cactus_spec.core.spec",
-    "Prompt": "cactus_spec.runtime.batch",
+    "Request": "cactus_spec.runtime.generation",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

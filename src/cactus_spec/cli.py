@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -22,15 +23,18 @@ from rich.table import Table
 from cactus_spec import isa
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.budget import ALLOCATIONS
-from cactus_spec.core.checks import check_int
+from cactus_spec.core.checks import check_int, flag
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import AUTO_K, DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
-from cactus_spec.loading.backend import BACKENDS
 from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.options import BACKENDS, LOAD_KEYS, LoadOptions, parse_load
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK
+
+if TYPE_CHECKING:  # the engine loads torch's kernels: imported where it is used
+    from cactus_spec.runtime.engine import SpeculativeDecoder
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -357,41 +361,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    """--verifier/--draft, else the default pair (known names: loaded only once fetched). A
-    --draft where nothing is drafted by a model is refused."""
-    if args.draft and not needs_draft:
-        raise ValueError(
-            "--draft does not apply: nothing is drafted by a model (--method ar or --drafter ngram)"
-        )
-    verifier = args.verifier or DEFAULT_PAIR[0]
-    return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
+def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
+    """The model flags, read by the one loading parser (``loading.options``): --verifier and
+    --draft default to the default pair (known names load only once fetched)."""
+    return parse_load(
+        {key: getattr(args, key) for key in LOAD_KEYS}, needs_draft=needs_draft, label=flag
+    )
 
 
-def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> None:
-    """The drafting flags that cannot go together whatever the models are, refused before
-    any model loads."""
-    needs_draft = spec.drafts and spec.drafter == "model"
-    _model_sources(args, needs_draft)
-    if args.draft_vocab is not None and not needs_draft:
-        raise ValueError(
-            "--draft-vocab does not apply: nothing is drafted by a model "
-            "(--method ar or --drafter ngram)"
-        )
+def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
+    """The model flags read against ``spec``, and the drafting flags that cannot go
+    together whatever the models are, refused before any model loads."""
+    options = _load_options(args, spec.drafts and spec.drafter == "model")
     if spec.drafts and spec.trees and spec.drafter != "model":
         raise ValueError(
             f"--verification {spec.verification} needs a draft model (--drafter model), "
             f"got --drafter {spec.drafter}; use chain or block"
         )
-    if spec.drafts and spec.trees and args.backend == "hf":
+    if spec.drafts and spec.trees and options.backend == "hf":
         raise ValueError(
             f"--verification {spec.verification} needs token-tree attention, which "
             "--backend hf lacks; use --backend lean or auto"
         )
-
-
-def _flag(key: str) -> str:
-    return f"--{key.replace('_', '-')}"
+    return options
 
 
 def _spec(args: argparse.Namespace) -> DecodeSpec:
@@ -401,7 +393,7 @@ def _spec(args: argparse.Namespace) -> DecodeSpec:
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     given |= {"verification": args.verification, "branches": args.branches}
     given |= {"kl_budget": args.kl_budget, "allocation": args.allocation}
-    return parse_spec({"method": args.method, **given}, label=_flag)
+    return parse_spec({"method": args.method, **given}, label=flag)
 
 
 def _k_left_open(args: argparse.Namespace, spec: DecodeSpec) -> DecodeSpec:
@@ -415,47 +407,29 @@ def _k_left_open(args: argparse.Namespace, spec: DecodeSpec) -> DecodeSpec:
 
 def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_tokens",)) -> None:
     """ValueError naming the first of ``flags`` below 1."""
-    for flag in flags:
-        check_int(_flag(flag), getattr(args, flag))
-
-
-def _check_model_args(args: argparse.Namespace) -> None:
-    from cactus_spec.loading.models import check_load_options
-
-    check_load_options(args.dtype, args.device, args.threads)
-    if args.draft_vocab is not None:
-        check_int("--draft-vocab", args.draft_vocab)
+    for key in flags:
+        check_int(flag(key), getattr(args, key))
 
 
 def _engine(
-    args: argparse.Namespace,
+    options: LoadOptions,
     spec: DecodeSpec,
     max_batch: int = 1,
     max_draft_tokens: int | None = None,
     announce: bool = False,
     prefix_cache: bool = True,
-    grammar_limits=None,
-):
-    """The engine the model flags describe, decoding by ``spec`` (a draft model is loaded
-    only where the spec drafts with one)."""
+    grammar_limits: GrammarLimits | None = None,
+) -> SpeculativeDecoder:
+    """The engine ``options`` describe, decoding by ``spec``."""
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
-    needs_draft = spec.drafts and spec.drafter == "model"
-    verifier, draft = _model_sources(args, needs_draft)
     if announce:
-        stderr.print(f"loading {verifier} (verifier){f', {draft} (draft)' if draft else ''} …")
+        draft = f", {options.draft} (draft)" if options.draft else ""
+        stderr.print(f"loading {options.verifier} (verifier){draft} …")
     return SpeculativeDecoder(
-        verifier,
-        draft,
-        spec,
+        **options.as_kwargs(),
+        spec=spec,
         max_draft_tokens=max_draft_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        backend=args.backend,
-        draft_quant=args.draft_quant,
-        draft_vocab=args.draft_vocab,
-        verifier_quant=args.verifier_quant,
         max_batch=max_batch,
         prefix_cache=prefix_cache,
         grammar_limits=grammar_limits,
@@ -477,9 +451,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_seed(args.seed, "--seed")
     check_prompt_text(args.prompt)
     grammar = _grammar(args)
-    _check_model_args(args)
-    _check_drafting(args, spec)
-    decoder = _engine(args, spec)
+    options = _check_drafting(args, spec)
+    decoder = _engine(options, spec)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
 
@@ -512,7 +485,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "spec": spec.as_dict(),
             "stats": result.stats.as_dict(),
             "verifier": {
-                "quant": args.verifier_quant,
+                "quant": options.verifier_quant,
                 "divergence": divergence.as_dict() if divergence else None,
             },
         }
@@ -588,20 +561,26 @@ def _stats_table(result, divergence=None) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from cactus_spec.loading.models import load_model
+    from cactus_spec.loading.models import as_loaded
     from cactus_spec.runtime.engine import SpeculativeDecoder
 
     _check_counts(args)
     given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
-    k = parse_spec(given, label=_flag).num_draft_tokens  # None: auto
-    _check_model_args(args)
-    verifier_src, draft_src = _model_sources(args, needs_draft=True)
-    assert draft_src is not None  # needs_draft
-    pair = "the default pair" if (verifier_src, draft_src) == DEFAULT_PAIR else "the models"
-    stderr.print(f"loading {pair}: {verifier_src} (verifier), {draft_src} (draft) …")
-    options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
-    verifier = load_model(verifier_src, **options, quant=args.verifier_quant)
-    draft = load_model(draft_src, **options, quant=args.draft_quant, head_vocab=args.draft_vocab)
+    k = parse_spec(given, label=flag).num_draft_tokens  # None: auto
+    options = _load_options(args, needs_draft=True)
+    pair = "the default pair" if (options.verifier, options.draft) == DEFAULT_PAIR else "the models"
+    stderr.print(f"loading {pair}: {options.verifier} (verifier), {options.draft} (draft) …")
+    assert options.draft is not None  # needs_draft
+    verifier = as_loaded(
+        "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
+    )
+    draft = as_loaded(
+        "draft",
+        options.draft,
+        **options.model_kwargs(),
+        quant=options.draft_quant,
+        head_vocab=options.draft_vocab,
+    )
     stderr.print(_kernels_line(verifier, draft))
     runs = [
         ("AR (verifier alone)", DecodeSpec.of("ar")),
@@ -617,7 +596,7 @@ def run_demo(args: argparse.Namespace) -> int:
     table.add_column("method", no_wrap=True)
     for column in columns:
         table.add_column(column, justify="right")
-    decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=args.backend)
+    decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=options.backend)
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
     decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models
     baseline = None
@@ -678,14 +657,13 @@ def run_serve(args: argparse.Namespace) -> int:
     grammar_limits = GrammarLimits(
         args.max_grammar_bytes, args.max_grammar_symbols, args.grammar_step_fuel
     )
-    _check_model_args(args)
     template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
-    _check_drafting(args, spec)
+    options = _check_drafting(args, spec)
     cap = spec.num_draft_tokens if spec.drafts else None
     if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
         spec = spec.with_num_draft_tokens(None)
     decoder = _engine(
-        args,
+        options,
         spec,
         args.max_batch,
         cap,
@@ -694,7 +672,7 @@ def run_serve(args: argparse.Namespace) -> int:
         grammar_limits=grammar_limits,
     )
     scheduler = make_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
-    model_id = args.served_model_name or args.verifier or DEFAULT_PAIR[0]
+    model_id = args.served_model_name or str(options.verifier)
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
     given = {name: value for name, value in limits.items() if value is not None}  # else its own
     config = ServerConfig(
@@ -751,10 +729,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     try:
         isa.chosen()  # a bad CACTUS_SPEC_ISA is an error before anything loads
-        if getattr(args, "verifier_quant", None) == "auto":
-            from cactus_spec.loading.models import resolve_verifier_quant
-
-            args.verifier_quant = resolve_verifier_quant("auto")
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as error:
         message = " ".join(str(error).split())  # one line, whatever the message held

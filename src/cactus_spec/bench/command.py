@@ -28,10 +28,16 @@ from cactus_spec.bench.rescore import rescore
 from cactus_spec.bench.runner import BenchSettings, run_bench
 from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
-from cactus_spec.core.checks import check_int
+from cactus_spec.core.checks import flag
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig, check_seed
 from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import LoadedModel, check_load_options, load_model
+from cactus_spec.loading.models import (
+    LoadedModel,
+    ModelSource,
+    as_loaded,
+    resolve_verifier_quant,
+)
+from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 
 #: What --quick changes, unless given explicitly: SmolLM2-135M drafting with n-gram lookup,
 #: 4 gsm problems of 64 new tokens, a small grid.
@@ -59,7 +65,7 @@ def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
     if args.grid:
         if args.method or args.num_draft_tokens or args.drafter:
             raise ValueError("--grid takes methods, num_draft_tokens and drafter from the file")
-        return load_grid_file(args.grid, args.verifier_quant)
+        return load_grid_file(args.grid, resolve_verifier_quant(args.verifier_quant))
     ks, drafters = _given(args, "num_draft_tokens"), _given(args, "drafter")
     if args.method:
         entries = [parse_entry(spec) for spec in args.method]
@@ -69,7 +75,7 @@ def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
         entries,
         parse_list(ks) if ks else None,
         parse_list(drafters) if drafters else ("model",),
-        (args.verifier_quant,),
+        (resolve_verifier_quant(args.verifier_quant),),
     )
 
 
@@ -104,14 +110,12 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return dataclasses.replace(settings, grid=_without_missing_peers(settings.grid))
 
 
-def _sources(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    """Target and draft sources: the flags, else --quick's SmolLM2 (its own assistant),
-    else the default pair (known names load only once fetched and verified)."""
-    if args.quick:
-        verifier = args.verifier or QUICK_MODEL
-        return verifier, (args.draft or verifier) if needs_draft else None
-    verifier = args.verifier or DEFAULT_PAIR[0]
-    return verifier, (args.draft or DEFAULT_PAIR[1]) if needs_draft else None
+def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
+    """The model flags, read by the one loading parser: --verifier and --draft default to
+    the default pair, or with --quick to SmolLM2 (its own assistant)."""
+    pair = (QUICK_MODEL, args.verifier or QUICK_MODEL) if args.quick else DEFAULT_PAIR
+    given = {key: getattr(args, key) for key in LOAD_KEYS}
+    return parse_load(given, needs_draft=needs_draft, default_pair=pair, label=flag)
 
 
 def _check_seeds(seed: int, items: int) -> None:
@@ -124,25 +128,21 @@ def _check_seeds(seed: int, items: int) -> None:
         )
 
 
-def _load(
-    source: str, args: argparse.Namespace, quant: str, head_vocab: int | None = None
-) -> LoadedModel:
-    weights = "dense" if quant == "none" else quant
-    head = "" if head_vocab is None else f", a head of the {head_vocab} most frequent tokens"
-    stderr.print(f"loading {source} ({weights} weights{head}) ...")
-    options = {"dtype": args.dtype, "device": args.device, "threads": args.threads}
-    return load_model(source, **options, quant=quant, head_vocab=head_vocab)
+def _loader(options: LoadOptions) -> Callable[[ModelSource, str, int | None], LoadedModel]:
+    """``load_model`` with ``options``, each (source, quant, head) loaded once: a draft that
+    is the verifier, or a grid's head equal to ``--draft-vocab``, shares the loaded
+    weights."""
+    loaded: dict[tuple[ModelSource, str, int | None], LoadedModel] = {}
 
-
-def _loader(args: argparse.Namespace) -> Callable[[str, str, int | None], LoadedModel]:
-    """``_load`` that loads each (source, quant, head) once: a draft that is the verifier,
-    or a grid's head equal to ``--draft-vocab``, shares the loaded weights."""
-    loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
-
-    def load(source: str, quant: str, head_vocab: int | None) -> LoadedModel:
+    def load(source: ModelSource, quant: str, head_vocab: int | None) -> LoadedModel:
         key = (source, quant, head_vocab)
         if key not in loaded:
-            loaded[key] = _load(source, args, quant, head_vocab)
+            weights = "dense" if quant == "none" else quant
+            head = "" if head_vocab is None else f", a head of the {head_vocab} most frequent"
+            stderr.print(f"loading {source} ({weights} weights{head}) ...")
+            loaded[key] = as_loaded(
+                "model", source, **options.model_kwargs(), quant=quant, head_vocab=head_vocab
+            )
         return loaded[key]
 
     return load
@@ -162,24 +162,21 @@ def main_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     items = load_items(settings.task)
     _check_seeds(settings.seed, len(items))
-    check_load_options(args.dtype, args.device, args.threads)
-    if args.draft_vocab is not None:
-        check_int("--draft-vocab", args.draft_vocab)
-    out = default_out(args, settings)
-    check_writable_dir(out)
     others = settings.other_drafts
     cut = any(name is None for name, _ in others.values())  # the run's draft, its head cut
-    verifier_source, draft_source = _sources(args, settings.needs_draft or cut)
-    load = _loader(args)
-    verifiers = {quant: load(verifier_source, quant, None) for quant in settings.verifiers}
+    options = _load_options(args, settings.needs_draft or cut)
+    out = default_out(args, settings)
+    check_writable_dir(out)
+    load = _loader(options)
+    verifiers = {quant: load(options.verifier, quant, None) for quant in settings.verifiers}
     drafts: dict[str | None, LoadedModel] = {}
-    if draft_source is not None and settings.needs_draft:
-        drafts[None] = load(draft_source, args.draft_quant, args.draft_vocab)
+    if options.draft is not None and settings.needs_draft:
+        drafts[None] = load(options.draft, options.draft_quant, options.draft_vocab)
     for key, (name, head) in others.items():
-        head = args.draft_vocab if head is None else head
-        source = name or draft_source
+        head = options.draft_vocab if head is None else head
+        source = name or options.draft
         assert source is not None  # cut: the run's draft is named
-        drafts[key] = load(source, args.draft_quant, head)
+        drafts[key] = load(source, options.draft_quant, head)
     run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

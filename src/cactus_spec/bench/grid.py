@@ -76,17 +76,47 @@ Entry = tuple[str, dict[str, list]]
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration; ``params`` holds every parameter of the method, defaults filled."""
+    """One configuration: ``method``, an engine method or a peer, and ``decoding``, how it
+    decodes, read once by ``parse_spec``: an engine method's spec (its parameters, an
+    answer's budget, K, drafter, verification, branches; K None: left to the policy), or a
+    peer's K and drafter as SpS's spec (AR's for a peer that drafts nothing), the peer's own
+    parameters in ``peer_params``. ``verifier``: the verifier's weights (llama.cpp runs the
+    GGUF's own); ``draft``: another draft model (name or path; None: the run's ``--draft``);
+    ``draft_vocab``: its head cut to the N most frequent tokens (None: the run's)."""
 
     method: str
-    params: tuple[tuple[str, object], ...] = ()
-    num_draft_tokens: int | None = 0  # 0: drafts nothing; None: K left to the policy ("auto")
-    drafter: str | None = None  # None for a method that drafts nothing
-    verifier: str = "none"  # the verifier's weights; llama.cpp runs the GGUF's own
-    verification: str = "chain"  # how the engine judges drafts (core.spec.VERIFICATIONS)
-    draft: str | None = None  # another draft model (name or path); None: the run's --draft
-    branches: int = 1  # a tree's nodes per depth (1 unless a tree)
-    draft_vocab: int | None = None  # its head cut to the N most frequent tokens; None: the run's
+    decoding: DecodeSpec
+    peer_params: tuple[tuple[str, object], ...] = ()
+    verifier: str = "none"
+    draft: str | None = None
+    draft_vocab: int | None = None
+
+    @property
+    def params(self) -> tuple[tuple[str, object], ...]:
+        """Every parameter of the method, defaults filled, sorted by name."""
+        if not self.engine:
+            return self.peer_params
+        return tuple(sorted((dict(self.decoding.params) | _budget(self.decoding)).items()))
+
+    @property
+    def num_draft_tokens(self) -> int | None:
+        """K: 0 for a method that drafts nothing, None when the policy picks it."""
+        return self.decoding.num_draft_tokens if self.drafts else 0
+
+    @property
+    def drafter(self) -> str | None:
+        """None for a method that drafts nothing."""
+        return self.decoding.drafter if self.drafts else None
+
+    @property
+    def verification(self) -> str:
+        """How the engine judges its drafts (``core.spec.VERIFICATIONS``; chain for peers)."""
+        return (self.decoding.verification or "chain") if self.engine else "chain"
+
+    @property
+    def branches(self) -> int:
+        """A tree's nodes per depth (1 unless a tree)."""
+        return self.decoding.branches if self.engine else 1
 
     @property
     def draft_key(self) -> str | None:
@@ -111,13 +141,7 @@ class Config:
         """The decoding spec of an engine method (ValueError for a peer)."""
         if not self.engine:
             raise ValueError(f"{self.method} is a peer, not a method of the engine")
-        values = {"method": self.method, **dict(self.params)}
-        if self.drafts:
-            values |= {"num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter}
-            values |= {"verification": self.verification}
-            values |= {"branches": self.branches} if self.verification in TREES else {}
-        spec = parse_spec(values)
-        return spec if self.num_draft_tokens is not None else spec.with_num_draft_tokens(None)
+        return self.decoding
 
     @property
     def id(self) -> str:
@@ -175,16 +199,21 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict) -> Config:
-        """The configuration ``as_dict`` describes (as a run directory records it)."""
-        return cls(
-            data["method"],
-            tuple(data["params"].items()),
-            data["num_draft_tokens"],
-            data["drafter"],
+        """The configuration ``as_dict`` describes (as a run directory records it), read
+        again by ``make_config``."""
+        method = data["method"]
+        drafting = method not in NO_DRAFT
+        k = data["num_draft_tokens"]
+        judged = method in METHODS and drafting
+        return make_config(
+            method,
+            data["params"],
+            (AUTO_K if k is None else k) if drafting else None,
+            data["drafter"] if drafting else None,
             data["verifier"],
-            data.get("verification", "chain"),  # runs recorded before block verification
+            data.get("verification") if judged else None,  # runs before blocks: chain
             data.get("draft"),  # runs recorded before other draft models
-            data.get("branches", 1),
+            data.get("branches") if judged else None,
             data.get("draft_vocab"),  # runs recorded before cut draft heads
         )
 
@@ -241,26 +270,15 @@ def make_config(
             judged = {"verification": verification, "branches": branches}
             judged = judged if method not in NO_DRAFT else {}
             spec = parse_spec({"method": method, **params, **drafting, **judged}, text=True)
-            values = dict(spec.params) | _budget(spec)
-        else:
-            spec = parse_spec({"method": "sps", **drafting}, text=True)  # a peer's K and drafter
-            values = {name: _peer_int(name, params.get(name, d)) for name, d in allowed.items()}
+            peer: dict[str, object] = {}
+        else:  # a peer's K and drafter, read as SpS's
+            base = {"method": "sps", **drafting} if method not in NO_DRAFT else {"method": "ar"}
+            spec = parse_spec(base, text=True)
+            peer = {name: _peer_int(name, params.get(name, d)) for name, d in allowed.items()}
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
-    if method in NO_DRAFT:
-        return Config(method, tuple(sorted(values.items())), verifier=verifier)
-    assert spec.verification is not None  # a spec that drafts
-    return Config(
-        method,
-        tuple(sorted(values.items())),
-        None if auto else spec.num_draft_tokens,
-        spec.drafter,
-        verifier,
-        spec.verification if method in METHODS else "chain",
-        draft,
-        spec.branches if method in METHODS else 1,
-        draft_vocab,
-    )
+    spec = spec.with_num_draft_tokens(None) if auto and method not in NO_DRAFT else spec
+    return Config(method, spec, tuple(sorted(peer.items())), verifier, draft, draft_vocab)
 
 
 def _budget(spec: DecodeSpec) -> dict[str, object]:

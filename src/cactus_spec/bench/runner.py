@@ -51,9 +51,8 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.files import write_json_atomic
 from cactus_spec.loading.divergence import quant_divergence
 from cactus_spec.loading.models import LoadedModel
-from cactus_spec.runtime.batch import Prompt
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.generation import GenerationResult, Request
 
 Job = tuple[int, Item, Config]
 #: The verifier in each weight format the grid asks for ("none", "int8"), or one model.
@@ -278,8 +277,13 @@ class Runner:
         """Decode ``todo`` with one engine configuration, B at a time; record each row as it
         finishes; return the batch's record (items, tokens, wall time)."""
         s = self.settings
-        prompts = [
-            Prompt(self.prompt_ids(item), s.max_new_tokens, s.item_seed(i)) for i, item in todo
+        requests = [
+            Request(
+                prompt_ids=self.prompt_ids(item),
+                max_new_tokens=s.max_new_tokens,
+                seed=s.item_seed(i),
+            )
+            for i, item in todo
         ]
         device = self.verifier.model.device
         memory.reset_peak(device)
@@ -291,7 +295,7 @@ class Runner:
 
         start = time.perf_counter()
         engine = self.decoders[config.id]
-        results = engine.decode_many(prompts, s.sampling, on_result=finished)
+        results = engine.decode_many(requests, s.sampling, on_result=finished)
         return {
             "config": config.id,
             "items": [item.id for _, item in todo],

@@ -16,3 +16,8 @@ def check_int(name: str, value: object, low: int = 1) -> int:
     if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return value
+
+
+def flag(key: str) -> str:
+    """How the command line names the option ``key``: ``--num-draft-tokens``."""
+    return f"--{key.replace('_', '-')}"

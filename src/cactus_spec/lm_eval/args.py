@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import SPEC_KEYS
-from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import LoadedModel, ModelSource
+from cactus_spec.loading.models import LoadedModel
+from cactus_spec.loading.options import LOAD_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +56,6 @@ def as_int(value: object) -> int | None:
         return None
 
 
-def choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise _bad(name, f"one of {', '.join(choices)}", value)
-    return str(value)
-
-
 def spec_args(given: dict[str, Any]) -> dict[str, Any]:
     """The decoding spec's model args (method, its parameters, num_draft_tokens, drafter),
     for ``core.spec.parse_spec``; an unknown model arg is a ValueError listing those that
@@ -74,29 +67,20 @@ def spec_args(given: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-_MODEL_ARGS = (
-    "verifier", "draft", "max_batch", "max_length", "backend", "verifier_quant", "draft_quant",
-    "draft_vocab", "dtype", "threads", "seed",
-)  # fmt: skip
+_MODEL_ARGS = (*LOAD_KEYS, "max_batch", "max_length", "seed")
 
 
-def model_source(name: str, value: object) -> ModelSource:
-    """A model name/path as text (lm-eval may have turned it into a number), or a model."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, bool) or value is None or (isinstance(value, str) and not value):
-        raise _bad(name, "a model name, path or hub id", value)
-    return value  # type: ignore[return-value]  # SpeculativeDecoder checks the rest
+def load_args(given: dict[str, Any]) -> dict[str, Any]:
+    """The loading options' model args for ``loading.options.parse_load``, with a model
+    name that lm-eval read as a number (``verifier=7``) turned back into its text."""
+    return {
+        key: str(value) if key in ("verifier", "draft") and _is_number(value) else value
+        for key, value in given.items()
+    }
 
 
-def draft_source(draft: object, needed: bool) -> ModelSource | None:
-    """The draft model to load: the given one (default: the default pair's draft), or None
-    when nothing is drafted by a model (method ar, drafter ngram)."""
-    if not needed:
-        if draft is not None:
-            log.info("model arg draft is not used: nothing is drafted by a model")
-        return None
-    return DEFAULT_PAIR[1] if draft is None else model_source("draft", draft)
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def device_for(device: object) -> str:

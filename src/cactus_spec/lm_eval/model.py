@@ -28,19 +28,16 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
 )
-from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
+from cactus_spec.core.sampling import MAX_SEED
 from cactus_spec.core.spec import parse_spec
 from cactus_spec.lm_eval import args as lm_eval_args
-from cactus_spec.loading.backend import BACKENDS
-from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import ModelSource, check_load_options
-from cactus_spec.runtime.batch import Prompt
+from cactus_spec.loading.models import ModelSource
+from cactus_spec.loading.options import parse_load
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.generation import GenerationResult, Request
 
 __all__ = ["CactusSpecLM", "main"]
 
@@ -75,9 +72,11 @@ class CactusSpecLM(TemplateLM):
     exact, epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), read by
     ``core.spec.parse_spec`` as the command line's flags are; ``max_batch``
     (rows decoded and scored at once), ``max_length`` (the longest window the verifier
-    reads; default its cache's context length), ``backend``, ``verifier_quant``,
-    ``draft_quant``, ``draft_vocab`` (the draft head's most frequent tokens kept), ``dtype``,
-    ``threads``, ``seed`` (request i is decoded with
+    reads; default its cache's context length), ``backend``, ``verifier_quant`` (``auto``
+    as on the command line), ``draft_quant``, ``draft_vocab`` (the draft head's most
+    frequent tokens kept), ``dtype``, ``threads``, read with the models by
+    ``loading.options.parse_load`` as the command line's flags are (a draft or a draft
+    vocabulary where nothing is drafted by a model is refused), ``seed`` (request i is decoded with
     ``lm_eval_args.request_seed(seed, i)``). lm-eval's ``device`` picks the device (cpu
     when CUDA is absent); its ``batch_size`` and ``max_batch_size`` are ignored
     (``max_batch`` sets the rows). ``verifier`` and ``draft`` may also be a ``LoadedModel``
@@ -86,16 +85,16 @@ class CactusSpecLM(TemplateLM):
 
     def __init__(
         self,
-        verifier: ModelSource = DEFAULT_PAIR[0],
+        verifier: ModelSource | None = None,
         draft: ModelSource | None = None,
         method: str = DEFAULT_METHOD,
         num_draft_tokens: int | None = None,
         drafter: str | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_length: int | None = None,
-        backend: str = "auto",
-        verifier_quant: str = "none",
-        draft_quant: str = "int8",
+        backend: str | None = None,
+        verifier_quant: str | None = None,
+        draft_quant: str | None = None,
         draft_vocab: int | None = None,
         dtype: str | None = None,
         threads: int | None = None,
@@ -110,40 +109,25 @@ class CactusSpecLM(TemplateLM):
         spec = parse_spec(lm_eval_args.spec_args({**given, **method_params}), text=True)
         self.seed = lm_eval_args.integer("seed", seed, 0, MAX_SEED)
         max_batch = lm_eval_args.integer("max_batch", max_batch, 1)
-        if max_length is not None:
-            lm_eval_args.integer(
-                "max_length", max_length, 1
-            )  # its upper bound needs the loaded model
-        dtype = None if dtype is None else str(dtype)
-        threads = None if threads is None else lm_eval_args.integer("threads", threads, 1)
-        device = lm_eval_args.device_for(device)
-        check_load_options(dtype, device, threads)
+        if max_length is not None:  # its upper bound needs the loaded model
+            lm_eval_args.integer("max_length", max_length, 1)
         lm_eval_args.ignore_batch_size(batch_size, max_batch_size)
-        verifier = lm_eval_args.model_source("verifier", verifier)
-        draft_source = lm_eval_args.draft_source(draft, spec.drafts and spec.drafter == "model")
-        self.engine = SpeculativeDecoder(
-            verifier,
-            draft_source,
-            spec,
-            dtype=dtype,
-            device=device,
-            threads=threads,
-            backend=lm_eval_args.choice("backend", backend, BACKENDS),
-            draft_quant=lm_eval_args.choice("draft_quant", draft_quant, QUANTS),
-            draft_vocab=None
-            if draft_vocab is None
-            else lm_eval_args.integer("draft_vocab", draft_vocab, 1),
-            verifier_quant=lm_eval_args.choice("verifier_quant", verifier_quant, QUANTS),
-            max_batch=max_batch,
+        models: dict[str, Any] = {"verifier": verifier, "draft": draft}
+        models["verifier_quant"] = verifier_quant
+        models |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
+        models |= {"dtype": dtype, "threads": threads, "device": lm_eval_args.device_for(device)}
+        load = parse_load(
+            lm_eval_args.load_args(models), needs_draft=spec.drafts and spec.drafter == "model"
         )
+        self.engine = SpeculativeDecoder(**load.as_kwargs(), spec=spec, max_batch=max_batch)
         if self.engine.tokenizer is None:
             raise ValueError("verifier must come with a tokenizer (a name, path or LoadedModel)")
         self.tokenizer = self.engine.tokenizer
         self._max_length = self._check_max_length(max_length)
         self._device = self.engine.device
         self._info = {
-            "verifier": lm_eval_args.describe(verifier),
-            "draft": lm_eval_args.describe(draft_source),
+            "verifier": lm_eval_args.describe(load.verifier),
+            "draft": lm_eval_args.describe(load.draft),
             **spec.as_dict(),
             "rule": repr(spec.rule),
             "max_batch": max_batch,
@@ -218,27 +202,27 @@ class CactusSpecLM(TemplateLM):
         temperature is 0."""
         jobs = [self._job(i, *request.args) for i, request in enumerate(requests)]
         texts: list[str] = [""] * len(requests)
-        groups: dict[SamplingConfig, list[int]] = {}
-        for i, (_, sampling) in enumerate(jobs):
-            groups.setdefault(sampling, []).append(i)
         with tqdm(total=len(jobs), disable=disable_tqdm, desc="cactus-spec generate") as bar:
-            for sampling, indices in groups.items():
 
-                def done(j: int, result: GenerationResult, indices: list[int] = indices) -> None:
-                    i = indices[j]
-                    texts[i] = result.text or ""
-                    self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
-                    bar.update(1)
+            def done(i: int, result: GenerationResult) -> None:
+                texts[i] = result.text or ""
+                self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])
+                bar.update(1)
 
-                prompts = [jobs[i][0] for i in indices]
-                self.engine.decode_many(prompts, sampling, on_result=done)
+            self.engine.decode_many(jobs, on_result=done)
         return texts
 
-    def _job(self, index: int, context: str, gen_kwargs: dict) -> tuple[Prompt, SamplingConfig]:
-        """The prompt (ids, budget, seed, stops) and the sampling of one request."""
+    def _job(self, index: int, context: str, gen_kwargs: dict) -> Request:
+        """The engine's request of lm-eval's request ``index``: its prompt, budget, seed, stops
+        and sampling."""
         sampling, max_new, until = lm_eval_args.parse_gen_kwargs(gen_kwargs)
-        ids = self._fit_prompt(self._encode_prompt(context), max_new)
-        return Prompt(ids, max_new, lm_eval_args.request_seed(self.seed, index), until), sampling
+        return Request(
+            prompt_ids=self._fit_prompt(self._encode_prompt(context), max_new),
+            max_new_tokens=max_new,
+            seed=lm_eval_args.request_seed(self.seed, index),
+            sampling=sampling,
+            stop=tuple(until),
+        )
 
     def _encode_prompt(self, context: str) -> list[int]:
         if not context.strip():  # nothing to read: condition on BOS/EOS, as scoring does

@@ -6,8 +6,7 @@ from cactus_spec.backends.base import Backend
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel, unsupported_reason
 from cactus_spec.loading.models import LoadedModel
-
-BACKENDS = ("auto", "lean", "hf")
+from cactus_spec.loading.options import BACKENDS
 
 
 def make_backend(loaded: LoadedModel, kind: str = "auto", slots: int = 1) -> Backend:

@@ -42,7 +42,6 @@ __all__ = [
     "ModelNotFoundError",
     "VocabularyMismatchError",
     "check_device",
-    "check_load_options",
     "check_threads",
     "check_same_vocabulary",
     "tokenizers_differ",
@@ -117,9 +116,10 @@ def resolve_verifier_quant(quant: str) -> str:
 
 
 def resolve_dtype(
-    name: str | torch.dtype | None, device: str | torch.device = "cpu"
+    name: str | torch.dtype | None, device: str | torch.device = "cpu", label: str = "dtype"
 ) -> torch.dtype:
-    """Map a dtype name to a torch dtype; None or "auto" picks the fastest safe one for `device`."""
+    """Map a dtype name to a torch dtype; None or "auto" picks the fastest safe one for
+    `device`. ValueError naming ``label`` for anything else."""
     if isinstance(name, torch.dtype) and name in _DTYPES.values():
         return name
     if name is None or name == "auto":
@@ -129,7 +129,7 @@ def resolve_dtype(
     if isinstance(name, str) and name.lower() in _DTYPES:
         return _DTYPES[name.lower()]
     allowed = ", ".join([*_DTYPES, "auto"])
-    raise ValueError(f"dtype must be one of {allowed}; got {name!r}")
+    raise ValueError(f"{label} must be one of {allowed}; got {name!r}")
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -245,31 +245,22 @@ def check_threads(threads: object) -> int:
     return check_int("threads", threads)
 
 
-def check_device(device: str | torch.device) -> torch.device:
+def check_device(device: object, label: str = "device") -> torch.device:
     """The torch device named ``device`` (cpu, cuda, cuda:N or mps), if this machine has it;
-    ValueError naming the allowed values otherwise."""
+    ValueError naming ``label`` and the allowed values otherwise."""
     name = str(device)
-    if not _DEVICE.match(name):
-        raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {name!r}")
+    if not isinstance(device, (str, torch.device)) or not _DEVICE.match(name):
+        raise ValueError(f"{label} must be cpu, cuda, cuda:N or mps, got {device!r}")
     parsed = torch.device(name)
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {name!r} is not available: this torch has no CUDA device")
+            raise ValueError(f"{label} {name!r} is not available: this torch has no CUDA device")
         if (parsed.index or 0) >= count:
-            raise ValueError(f"device {name!r} is not available: CUDA devices are 0..{count - 1}")
+            raise ValueError(f"{label} {name!r} is not available: CUDA devices are 0..{count - 1}")
     if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} is not available on this machine")
+        raise ValueError(f"{label} {name!r} is not available on this machine")
     return parsed
-
-
-def check_load_options(
-    dtype: str | torch.dtype | None, device: str | torch.device, threads: int | None
-) -> None:
-    """ValueError for a bad dtype, device or thread count, before anything loads."""
-    resolve_dtype(dtype, check_device(device))
-    if threads is not None:
-        check_threads(threads)
 
 
 def _config_vocab_size(model: PreTrainedModel) -> int:

@@ -1,63 +1,54 @@
-"""Decode a list of prompts to the end, many rows at a time: the scheduler, driven to empty.
+"""Decode a list of requests to the end, many rows at a time: the scheduler, driven to empty.
 
-``decode_all`` submits every prompt to a ``Scheduler`` over the engine's rows
-(``max_batch`` of them) and waits: rows that finish are refilled with the next prompt
+``decode_all`` submits every request to a ``Scheduler`` over the engine's rows
+(``max_batch`` of them) and waits: rows that finish are refilled with the next request
 between iterations (continuous batching), and each result is handed to ``on_result`` as
 soon as it exists, so a caller can record it before the rest are done (resumable runs).
 A row's law is its own (its spec, sampling and seed), whatever its neighbours are. Every
-prompt is queued before the scheduler starts, so the first iteration holds the first
+request is queued before the scheduler starts, so the first iteration holds the first
 ``max_batch`` of them. The loop runs on the calling thread, the one that loaded the models
 (``scheduler``: torch's OpenMP workers spin for it alone). The engine's ``decode_many`` checks the
-prompts and calls this.
+requests and calls this.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.generation import GenerationResult
+from cactus_spec.runtime.generation import GenerationResult, Request
 from cactus_spec.runtime.policy import SpeculationPolicy
-from cactus_spec.runtime.scheduler import Request, Rows, Scheduler
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One generation to run: ids (already encoded), its budget, its seed, its stops, and
-    its own spec (None: the run's)."""
-
-    ids: Sequence[int]
-    max_new_tokens: int
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    spec: DecodeSpec | None = None
+from cactus_spec.runtime.rows import Rows
+from cactus_spec.runtime.scheduler import Scheduler
 
 
 def decode_all(
     engine: Rows,
-    prompts: Sequence[Prompt],
+    requests: Sequence[Request],
     sampling: SamplingConfig,
     spec: DecodeSpec,
     *,
     policy: SpeculationPolicy | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """Decode every prompt by its own spec, else ``spec``; the results in the prompts' order.
+    """Decode every request by its own spec and sampling, else ``spec`` and ``sampling``; the
+    results in the requests' order.
 
-    ``on_result(index, result)`` runs on the decoding thread as each prompt finishes; an
-    exception it raises stops the run and is raised here. A prompt whose decoding fails (its
-    own error: ``scheduler``) ends alone; the others run to their end, and then the first
-    such error is raised as ``RowError`` naming its prompt. Ctrl-C stops after the current
+    ``on_result(index, result)`` runs on the decoding thread as each request finishes; an
+    exception it raises stops the run and is raised here. A request whose decoding fails
+    (its own error: ``scheduler``) ends alone; the others run to their end, and then the
+    first such error is raised as ``RowError`` naming its index. Ctrl-C stops after the current
     iteration (what finished has been handed to ``on_result``) and raises KeyboardInterrupt.
     """
-    results: list[GenerationResult | None] = [None] * len(prompts)
+    results: list[GenerationResult | None] = [None] * len(requests)
     failures: list[BaseException] = []
     row_errors: list[RowError] = []
-    remaining = [len(prompts)]
+    remaining = [len(requests)]
 
     def finished() -> None:
         remaining[0] -= 1
@@ -78,10 +69,18 @@ def decode_all(
         row_errors.append(RowError(index, err))
         finished()
 
-    scheduler = Scheduler(engine, max_queue=max(1, len(prompts)), policy=policy)
-    for index, prompt in enumerate(prompts):
-        scheduler.submit(_request(prompt, sampling, spec, index, done, failed))
-    if prompts and _run_here(scheduler):
+    scheduler = Scheduler(engine, max_queue=max(1, len(requests)), policy=policy)
+    for index, request in enumerate(requests):
+        scheduler.submit(
+            replace(
+                request,
+                spec=request.spec or spec,
+                sampling=request.sampling or sampling,
+                on_done=functools.partial(done, index),
+                on_error=functools.partial(failed, index),
+            )
+        )
+    if requests and _run_here(scheduler):
         raise KeyboardInterrupt
     if failures:
         raise failures[0]
@@ -111,22 +110,9 @@ def _run_here(scheduler: Scheduler) -> bool:
 
 
 class RowError(ValueError):
-    """Prompt ``index`` failed on its own (``cause``); the others were decoded."""
+    """Request ``index`` failed on its own (``cause``); the others were decoded."""
 
     def __init__(self, index: int, cause: BaseException) -> None:
-        super().__init__(f"prompts[{index}]: {cause}")
+        super().__init__(f"requests[{index}]: {cause}")
         self.index = index
         self.cause = cause
-
-
-def _request(prompt: Prompt, sampling, spec, index: int, done, failed) -> Request:
-    return Request(
-        list(prompt.ids),
-        prompt.max_new_tokens,
-        sampling,
-        prompt.seed,
-        prompt.spec or spec,
-        stop=list(prompt.stop),
-        on_done=lambda result: done(index, result),
-        on_error=lambda err: failed(index, err),
-    )

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend
-from cactus_spec.backends.quant import check_quant
 from cactus_spec.core.checks import check_int
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.core.penalties import Penalties
@@ -43,22 +42,23 @@ from cactus_spec.loading.models import (
     check_same_vocabulary,
     tokenizers_differ,
 )
+from cactus_spec.loading.options import LoadOptions, parse_load
 from cactus_spec.runtime import scoring
-from cactus_spec.runtime.batch import Prompt, decode_all
+from cactus_spec.runtime.batch import decode_all
 from cactus_spec.runtime.cross_vocab import CrossVocabDrafter
 from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
 from cactus_spec.runtime.generation import (
     Generation,
     GenerationResult,
     GenerationStats,
+    Request,
     check_stops,
 )
 from cactus_spec.runtime.grammar import Constraint, Grammar, GrammarLimits, Grammars
 from cactus_spec.runtime.logprobs import check_logprobs
 from cactus_spec.runtime.policy import SpeculationPolicy, calibrated_policy
 from cactus_spec.runtime.prefixes import PrefixCache
-from cactus_spec.runtime.scheduler import Request
-from cactus_spec.runtime.stepper import Stepper, StepTiming
+from cactus_spec.runtime.stepper import Stepper, StepTiming, Stopping
 
 __all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_prompt_text"]
 
@@ -83,7 +83,9 @@ class SpeculativeDecoder:
     output law depends only on the verifier, so SpS stays exact), the verifier is not.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
     (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
-    to a draft loaded here, like ``draft_quant``.
+    to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` where
+    the spec leaves it open (default: one timed on these models when first needed,
+    ``calibrated_policy``).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class SpeculativeDecoder:
         max_batch: int = 1,
         prefix_cache: bool = True,
         grammar_limits: GrammarLimits | None = None,
+        policy: SpeculationPolicy | None = None,
     ) -> None:
         spec = DecodeSpec() if spec is None else spec
         if not isinstance(spec, DecodeSpec):
@@ -111,31 +114,41 @@ class SpeculativeDecoder:
         self.spec = spec
         self.max_draft_tokens = _max_draft_tokens(spec, max_draft_tokens)
         _check_draft(spec, draft)
-        check_quant(draft_quant, "draft_quant")
-        load: dict[str, Any] = {"dtype": dtype, "device": device, "threads": threads}
-        quant = check_quant(verifier_quant, "verifier_quant")
-        self.verifier = as_loaded("verifier", verifier, **load, quant=quant)
+        given: dict[str, Any] = {"verifier": verifier, "draft": draft}
+        given["verifier_quant"] = verifier_quant
+        given |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
+        given |= {"dtype": dtype, "device": device, "threads": threads}
+        needs_draft = spec.drafts and spec.drafter == "model"
+        options = parse_load(given, needs_draft=needs_draft, default_pair=None)
+        self.verifier = as_loaded(
+            "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
+        )
         self.tokenizer = self.verifier.tokenizer
         self.max_batch = max_batch
-        self._backend = make_backend(self.verifier, backend, max_batch)
+        self._backend = make_backend(self.verifier, options.backend, max_batch)
         self.vocab_size = self._backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
-        drafts = {**load, "quant": draft_quant, "head_vocab": draft_vocab}
-        self._drafter = self._make_drafter(draft, drafts, backend)
+        self._drafter = self._make_drafter(options)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
         self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, grammar_limits)
-        self._policy: SpeculationPolicy | None = None  # generate's, once K is left open
+        self._policy = policy  # generate's where K is left open; None: timed when first needed
 
-    def _make_drafter(self, draft: ModelSource | None, load: dict, backend: str) -> Drafter | None:
+    def _make_drafter(self, options: LoadOptions) -> Drafter | None:
         if not self.spec.drafts:
             return None
         if self.spec.drafter == "ngram":
             return NGramDrafter()
-        assert draft is not None  # _check_draft: the model drafter has a draft model
-        loaded = as_loaded("draft", draft, **load)
-        draft_backend = make_backend(loaded, backend, self.max_batch)
+        assert options.draft is not None  # _check_draft: the model drafter has a draft model
+        loaded = as_loaded(
+            "draft",
+            options.draft,
+            **options.model_kwargs(),
+            quant=options.draft_quant,
+            head_vocab=options.draft_vocab,
+        )
+        draft_backend = make_backend(loaded, options.backend, self.max_batch)
         if tokenizers_differ(self.verifier, loaded):
             assert loaded.tokenizer is not None and self.tokenizer is not None  # both differ
             drafter = ModelDrafter(draft_backend, len(loaded.tokenizer), loaded.head_tokens)
@@ -284,16 +297,24 @@ class SpeculativeDecoder:
         spec = self._spec(spec)
         stops = check_stops(stop)
         prompt_ids = self.encode(prompt, chat)
-        self._check_prompt(Prompt(prompt_ids, max_new_tokens, seed, tuple(stops)), spec)
+        request = Request(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            spec=spec,
+            sampling=sampling,
+            stop=tuple(stops),
+            logprobs=logprobs,
+            penalties=penalties,
+            grammar=grammar,
+            on_text=on_text,
+        )
+        self._check_request(request, spec)
         check_logprobs(logprobs)
-        request = Request(prompt_ids, max_new_tokens, sampling, seed, spec, stops, on_text)
-        request.logprobs = logprobs
         if grammar is not None:
             self.check_grammar(grammar)
-            request.grammar = grammar
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
-            request.penalties = penalties
         policy = self._single_stream_policy() if spec.auto_k else None
         generation = self.new_generation(request, row=0)
         try:
@@ -314,10 +335,10 @@ class SpeculativeDecoder:
         """One iteration of a single stream: K from the policy (and its stopping rule) when
         it has one, else the spec's."""
         if policy is None:
-            self._stepper.step([generation], [self.draft_tokens(spec)])
+            self.step([generation], [self.draft_tokens(spec)])
             return
         (k,) = policy.choose([generation], self.behind([generation]))
-        timing = self._stepper.step([generation], [k], [policy.keep_drafting])
+        timing = self.step([generation], [k], [policy.keep_drafting])
         policy.observe(timing)
 
     def _single_stream_policy(self) -> SpeculationPolicy | None:
@@ -329,34 +350,36 @@ class SpeculativeDecoder:
 
     def decode_many(
         self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
+        requests: Sequence[Request],
+        sampling: SamplingConfig | None = None,
         *,
         spec: DecodeSpec | None = None,
         policy: SpeculationPolicy | None = None,
         on_result: Callable[[int, GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """Decode every prompt by its own spec, else ``spec`` (default: the engine's),
-        ``max_batch`` rows at a time (``batch.decode_all``); the results in the prompts'
-        order, each also handed to ``on_result(index, result)`` as it finishes. Every prompt
-        is checked first."""
+        """Decode every request by its own spec and sampling, else ``spec`` (default: the
+        engine's) and ``sampling`` (default: ``SamplingConfig()``), ``max_batch`` rows at a
+        time (``batch.decode_all``); the results in the requests' order, each also handed to
+        ``on_result(index, result)`` as it finishes. Every request is checked first."""
         spec = self._spec(spec)
-        for index, prompt in enumerate(prompts):
+        for index, request in enumerate(requests):
             try:
-                self._check_prompt(prompt, spec)
+                self._check_request(request, spec)
             except ValueError as err:
-                raise ValueError(f"prompts[{index}]: {err}") from None
-        return decode_all(self, prompts, sampling, spec, policy=policy, on_result=on_result)
+                raise ValueError(f"requests[{index}]: {err}") from None
+        sampling = SamplingConfig() if sampling is None else sampling
+        return decode_all(self, requests, sampling, spec, policy=policy, on_result=on_result)
 
-    def _check_prompt(self, prompt: Prompt, spec: DecodeSpec) -> None:
-        """What ``generate`` checks of its arguments, for one prompt of ``decode_many``."""
-        self.encode(prompt.ids)
-        check_seed(prompt.seed)
-        check_int("max_new_tokens", prompt.max_new_tokens)
-        check_stops(prompt.stop)
-        own = self._spec(prompt.spec or spec)
+    def _check_request(self, request: Request, spec: DecodeSpec) -> None:
+        """What ``generate`` checks of its arguments, for a request of ``decode_many``, by
+        its own spec, else ``spec``."""
+        self.encode(request.prompt_ids)
+        check_seed(request.seed)
+        check_int("max_new_tokens", request.max_new_tokens)
+        check_stops(request.stop)
+        own = self._spec(request.spec or spec)
         self._check_drafter(own)
-        self.check_context(len(prompt.ids), prompt.max_new_tokens, own)
+        self.check_context(len(request.prompt_ids), request.max_new_tokens, own)
 
     def score(
         self,
@@ -389,24 +412,15 @@ class SpeculativeDecoder:
         """The generation of ``request``, begun in ``row``: the row keeps the longest prefix its
         caches share with the prompt (``Stepper.start``); its spec must draft with this
         engine's drafter, or draft nothing."""
-        self._check_drafter(request.spec)
         generation = Generation(
-            request.prompt_ids,
-            request.max_new_tokens,
-            request.sampling,
-            request.seed,
-            spec=request.spec,
+            request,
             eos_ids=_ends(self.verifier.eos_ids, request),
             tokenizer=self.tokenizer,
-            stop=request.stop,
-            on_text=request.on_text,
             device=self.verifier.device,
             row=row,
-            logprobs=request.logprobs,
-            on_logprobs=request.on_logprobs,
-            penalties=request.penalties,
             constraint=self._constraint(request),
         )
+        self._check_drafter(generation.spec)
         self._stepper.start([generation])
         return generation
 
@@ -426,10 +440,15 @@ class SpeculativeDecoder:
         return self._stepper.prefill(generations, budget)
 
     def step(
-        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+        self,
+        generations: Sequence[Generation],
+        num_draft_tokens: Sequence[int],
+        keep_drafting: Sequence[Stopping | None] | None = None,
     ) -> StepTiming:
-        """One iteration over the generations (``Stepper.step``)."""
-        return self._stepper.step(generations, num_draft_tokens)
+        """One iteration over the generations, the i-th drafting up to
+        ``num_draft_tokens[i]`` tokens, fewer where ``keep_drafting[i]`` stops it
+        (``Stepper.step``)."""
+        return self._stepper.step(generations, num_draft_tokens, keep_drafting)
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting again."""
@@ -490,13 +509,9 @@ def _check_trees(spec: DecodeSpec, drafter: Drafter | None, verifier: Backend) -
 
 
 def _check_draft(spec: DecodeSpec, draft: ModelSource | None) -> None:
-    """A draft model goes with the model drafter, and only with it."""
-    needed = spec.drafts and spec.drafter == "model"
-    if needed and draft is None:
+    """The model drafter needs a draft model (``parse_load`` refuses one elsewhere)."""
+    if spec.drafts and spec.drafter == "model" and draft is None:
         raise ValueError(f"method {spec.method} with the model drafter needs a draft model")
-    if not needed and draft is not None:
-        why = "it drafts nothing" if not spec.drafts else f"it drafts with {spec.drafter}"
-        raise ValueError(f"a draft model does not apply to method {spec.method} ({why})")
 
 
 def check_prompt_text(prompt: str) -> None:

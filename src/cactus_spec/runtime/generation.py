@@ -1,7 +1,8 @@
-"""One generation's state: its context, sampling, seed, decoding spec, stop conditions and
-statistics.
+"""One generation: the request that asks for it, its state while it decodes, its result.
 
-A ``Generation`` occupies one row (slot) of the backends' caches while it decodes; the
+A ``Request`` is what a caller asks for (the server, ``generate``, ``decode_many``, lm-eval
+and the bench build one the same way, by keyword) and never changes. A ``Generation`` holds
+its request and occupies one row (slot) of the backends' caches while it decodes; the
 stepper (``stepper``) advances any number of them together. Everything that belongs to a
 single sequence lives here: what to emit (budget, EOS, stop strings), what to stream, and
 the counts of its iterations.
@@ -19,9 +20,42 @@ from cactus_spec.core.budget import pinsker_bound
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.grammar import Constraint
+from cactus_spec.runtime.grammar import Constraint, Grammar
 from cactus_spec.runtime.logprobs import TokenLogprob, token_logprobs
 from cactus_spec.runtime.verifications import Verification, verification_of
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Request:
+    """One generation to run: ``max_new_tokens`` tokens at most after ``prompt_ids``, drawn
+    with ``seed`` by ``spec`` (None: the run's or the engine's; its K None leaves K to the
+    policy) under ``sampling`` (None: the run's, ``decode_many``'s). It ends at EOS (unless
+    ``ignore_eos``), at a token of ``stop_token_ids`` or a string of ``stop``; ``logprobs``
+    alternatives per token (``runtime.logprobs``; None: none), ``penalties`` and ``grammar``
+    (what the output must match) shape its distributions. The callbacks hear its text, its
+    log-probabilities, its result or its own error. Two requests are never equal unless
+    they are the same object: a scheduler tells them apart by identity."""
+
+    prompt_ids: Sequence[int]  # kept as a tuple, as are the stops
+    max_new_tokens: int
+    seed: int = 0
+    spec: DecodeSpec | None = None
+    sampling: SamplingConfig | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    penalties: Penalties | None = None
+    grammar: Grammar | None = None
+    on_text: Callable[[str], None] | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+    on_done: Callable[[GenerationResult], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -160,44 +194,36 @@ class Generation:
 
     def __init__(
         self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        sampling: SamplingConfig,
-        seed: int,
+        request: Request,
         *,
-        spec: DecodeSpec,
         eos_ids: frozenset[int],
         tokenizer=None,
-        stop: Sequence[str] | None = None,
-        on_text: Callable[[str], None] | None = None,
         device: torch.device | str = "cpu",
         row: int = 0,
-        logprobs: int | None = None,
-        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
-        penalties: Penalties | None = None,
         constraint: Constraint | None = None,
     ) -> None:
+        if request.spec is None or request.sampling is None:
+            raise ValueError("a generation's request needs its spec and sampling")
+        self.request = request
+        self.spec: DecodeSpec = request.spec
+        self.sampling: SamplingConfig = request.sampling
         self.row = row
-        self.context = list(prompt_ids)
-        self.prompt_len = len(prompt_ids)
+        self.context = list(request.prompt_ids)
+        self.prompt_len = len(request.prompt_ids)
         self.read = 0  # prompt tokens in the verifier's cache (``Stepper.prefill``)
-        self.max_new = max_new_tokens
-        self.sampling = sampling
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.spec = spec
+        self.generator = torch.Generator(device=device).manual_seed(request.seed)
         # its kind, once
-        self.verification: Verification = verification_of(spec, sampling, max_new_tokens)
+        self.verification: Verification = verification_of(
+            self.spec, self.sampling, request.max_new_tokens
+        )
         self.eos = eos_ids
         self.tokenizer = tokenizer
-        self.stop = list(stop or [])
-        self.on_text = on_text
-        self.logprobs = logprobs  # alternatives per token, or None: no log-probabilities
-        self.on_logprobs = on_logprobs
         self.token_logprobs: list[TokenLogprob] = []
+        penalties = request.penalties
         self.penalties = penalties if penalties is not None and penalties.active else None
         self._prompt_tokens: torch.Tensor | None = None  # [V] bool, for the repetition penalty
         self.constraint = constraint  # the grammar the output must match (``grammar``)
-        self.stats = GenerationStats(kl_budget=spec.kl_budget)
+        self.stats = GenerationStats(kl_budget=self.spec.kl_budget)
         self.streamed = ""
         self.done = False
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
@@ -280,14 +306,14 @@ class Generation:
     @property
     def remaining(self) -> int:
         """Tokens of the budget not yet emitted."""
-        return self.max_new - len(self.new_ids)
+        return self.request.max_new_tokens - len(self.new_ids)
 
     def draft_budget(self, k: int) -> int:
         """How many of ``k`` drafts could still be emitted: one token of the budget is the
         verifier's own (drafts beyond it would be cut anyway)."""
         if not self.spec.drafts:
             return 0
-        return max(0, min(k, self.max_new - len(self.new_ids) - 1))
+        return max(0, min(k, self.request.max_new_tokens - len(self.new_ids) - 1))
 
     def finish(self, interrupted: bool = False) -> GenerationResult:
         """The result so far; the total time runs from construction."""
@@ -299,7 +325,7 @@ class Generation:
             self.stats,
             interrupted,
             self.finish_reason,
-            None if self.logprobs is None else self.token_logprobs,
+            None if self.request.logprobs is None else self.token_logprobs,
         )
 
     def emit(self, tokens: list[int], q: torch.Tensor | None = None) -> int:
@@ -309,14 +335,14 @@ class Generation:
         kept = self._append(tokens)
         if self.constraint is not None:
             self.constraint.advance(tokens[:kept])
-        if self.logprobs is not None and q is not None:
-            entries = token_logprobs(q, tokens[:kept], self.logprobs)
+        if self.request.logprobs is not None and q is not None:
+            entries = token_logprobs(q, tokens[:kept], self.request.logprobs)
             self.token_logprobs += entries
-            if self.on_logprobs is not None:
-                self.on_logprobs(entries)
-        if self.on_text is not None and self.tokenizer is not None:
+            if self.request.on_logprobs is not None:
+                self.request.on_logprobs(entries)
+        if self.request.on_text is not None and self.tokenizer is not None:
             text = self._decode()
-            self._stream(text[: _first_stop(text, self.stop)])
+            self._stream(text[: _first_stop(text, self.request.stop)])
         return kept
 
     def _append(self, tokens: list[int]) -> int:
@@ -325,13 +351,13 @@ class Generation:
         for token in tokens:
             self.context.append(token)
             kept += 1
-            if token in self.eos or len(self.new_ids) >= self.max_new:
+            if token in self.eos or len(self.new_ids) >= self.request.max_new_tokens:
                 self.done = True
                 self.finish_reason = "stop" if token in self.eos else "length"
                 break
-        if self.tokenizer is None or not self.stop:
+        if self.tokenizer is None or not self.request.stop:
             return kept  # nothing to look for in the text: skip decoding it on the hot path
-        if _first_stop(self._decode(), self.stop) is not None:
+        if _first_stop(self._decode(), self.request.stop) is not None:
             kept = self._cut_at_stop(kept)
             self.done = True
             self.finish_reason = "stop"
@@ -343,7 +369,7 @@ class Generation:
         start = len(self.context) - kept
         for count in range(1, kept):
             text = self._decode(self.context[self.prompt_len : start + count])
-            if _first_stop(text, self.stop) is not None:
+            if _first_stop(text, self.request.stop) is not None:
                 del self.context[start + count :]
                 return count
         return kept
@@ -353,10 +379,10 @@ class Generation:
         partial multi-byte character or the start of a stop string."""
         if not self.done:
             text = text.rstrip("\ufffd")
-            text = text[: len(text) - held_back(text, self.stop)]
+            text = text[: len(text) - held_back(text, self.request.stop)]
         if text.startswith(self.streamed) and len(text) > len(self.streamed):
-            assert self.on_text is not None  # emit streams to a listener only
-            self.on_text(text[len(self.streamed) :])
+            assert self.request.on_text is not None  # emit streams to a listener only
+            self.request.on_text(text[len(self.streamed) :])
             self.streamed = text
 
     def _decode(self, ids: list[int] | None = None) -> str:
@@ -369,7 +395,7 @@ class Generation:
         if self.tokenizer is None:
             return None
         text = self._decode()
-        return text[: _first_stop(text, self.stop)]
+        return text[: _first_stop(text, self.request.stop)]
 
 
 def check_stops(stop: str | Sequence[str] | None) -> list[str]:

@@ -33,17 +33,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
-from cactus_spec.core.penalties import Penalties
-from cactus_spec.core.sampling import SamplingConfig
-from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.generation import Generation, GenerationResult
-from cactus_spec.runtime.grammar import Grammar
-from cactus_spec.runtime.logprobs import TokenLogprob
+from cactus_spec.runtime.generation import Generation, Request
 from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.rows import Rows
 from cactus_spec.runtime.stepper import StepTiming
 
 #: Prompt tokens a server reads per iteration (``prefill_chunk``): on a 2-core EPYC a chunk
@@ -66,29 +62,6 @@ class BatchError(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__("decoding failed in a batch this request was part of (see the log)")
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation to run by ``spec``; its K None leaves K to the policy (without one,
-    the engine's ``max_draft_tokens``)."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingConfig
-    seed: int
-    spec: DecodeSpec
-    stop: list[str] = field(default_factory=list)
-    on_text: Callable[[str], None] | None = None
-    on_done: Callable[[GenerationResult], None] | None = None
-    on_error: Callable[[BaseException], None] | None = None
-    cancelled: bool = False
-    logprobs: int | None = None  # alternatives per token (``runtime.logprobs``), None: none
-    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
-    penalties: Penalties | None = None
-    stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS
-    ignore_eos: bool = False
-    grammar: Grammar | None = None  # what the output must match (``runtime.grammar``)
 
 
 @dataclass
@@ -118,34 +91,6 @@ class Counters:
         return sum(n for _, n in self.recent) / _RATE_WINDOW_S
 
 
-class Rows(Protocol):
-    """What the scheduler asks of the engine (``runtime.engine.SpeculativeDecoder``)."""
-
-    max_batch: int
-
-    def draft_tokens(self, spec: DecodeSpec) -> int:
-        """K a row of ``spec`` drafts when no policy picks it."""
-
-    def choose_row(self, prompt: Sequence[int], free: Sequence[int]) -> int:
-        """The free row ``prompt`` should take (the one caching its longest prefix)."""
-
-    def new_generation(self, request: Request, row: int) -> Generation:
-        """The generation of ``request``, begun in ``row`` (which keeps what it caches of the
-        prompt)."""
-
-    def prefill(self, generations: Sequence[Generation], budget: int | None = None) -> int:
-        """Read up to ``budget`` unread prompt tokens of the generations, in their order."""
-
-    def step(
-        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
-    ) -> StepTiming:
-        """One iteration over the generations, drafting up to ``num_draft_tokens[i]`` tokens
-        for the i-th."""
-
-    def behind(self, generations: Sequence[Generation]) -> list[int]:
-        """Tokens the drafter would read for each generation before drafting."""
-
-
 #: The engine a scheduler runs on (what its owner reads of it beyond ``Rows``).
 Engine = TypeVar("Engine", bound=Rows)
 
@@ -168,6 +113,7 @@ class Scheduler(Generic[Engine]):
         self.counters = Counters()
         self._free = list(range(engine.max_batch))
         self._waiting: deque[Request] = deque()
+        self._cancelled: set[Request] = set()  # asked to stop while decoding
         self._active: list[tuple[Request, Generation]] = []
         self._wake = threading.Condition()
         self._stopping = False
@@ -211,10 +157,11 @@ class Scheduler(Generic[Engine]):
         """Forget ``request`` (a client went away): one still waiting leaves the queue at
         once; one decoding stops at the next iteration and frees its row."""
         with self._wake:
-            request.cancelled = True
             if request in self._waiting:
                 self._waiting.remove(request)
                 self.counters.requests_cancelled += 1
+            else:  # decoding, or about to: its row is freed at the next turn
+                self._cancelled.add(request)
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -235,9 +182,6 @@ class Scheduler(Generic[Engine]):
         admitted = []
         while self._waiting and self._free:
             request = self._waiting.popleft()
-            if request.cancelled:
-                self.counters.requests_cancelled += 1
-                continue
             row = self.engine.choose_row(request.prompt_ids, self._free)
             try:
                 generation = self.engine.new_generation(request, row)
@@ -255,7 +199,10 @@ class Scheduler(Generic[Engine]):
         being read, run one iteration over the rest, finish what ended."""
         if admitted:  # rows in order, so that a batch of neighbouring rows is a view
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
-        for request, g in [pair for pair in self._active if pair[0].cancelled]:
+        with self._wake:  # what ended before its cancel came is forgotten
+            self._cancelled &= {request for request, _ in self._active}
+            cancelled = [pair for pair in self._active if pair[0] in self._cancelled]
+        for request, g in cancelled:
             self._release(request, g)
             self.counters.requests_cancelled += 1
         reading = sorted((g for _, g in self._active if g.reading), key=lambda g: g.started)

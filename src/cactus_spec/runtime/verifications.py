@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import kl, step_divergences
+from cactus_spec.core.audit import kl, one_hot_divergences, step_divergences
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.budget import Budget, Plan
-from cactus_spec.core.rules import Cactus, Rule, SpS, draft_row
+from cactus_spec.core.rules import Cactus, Rule, SpS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.traversal_verification import verify_traversal
@@ -73,12 +73,34 @@ class Verification:
     def divergence(
         self, rule: Rule, draft: Draft, q: Tensor, judged: Tensor, path: list[int], count: int
     ) -> Tensor:
-        """KL(law || q) [P] of the drafted positions that emitted the first ``count`` tokens:
-        for a chain, the rule's one-step law from p and q (``step_divergences``)."""
+        """KL(law || q) [P] of the drafted positions that emitted the first ``count`` tokens
+        of a row (``divergences`` at its first P positions)."""
         positions = min(count, len(draft.tokens))
         ids = torch.tensor(draft.tokens, dtype=torch.long, device=q.device)[:positions]  # [P]
-        p = draft_row(draft.probs, ids, q.shape[-1])[:positions]  # [P, V]
-        return step_divergences(p, q[:positions], rule)
+        p = None if draft.probs is None else draft.probs[:positions]  # [P, V]
+        return self.divergences(rule, q[:positions], judged[:positions], ids, p)
+
+    def divergences(
+        self,
+        rule: Rule,
+        q: Tensor,
+        judged: Tensor,
+        ids: Tensor | None = None,
+        p: Tensor | None = None,
+    ) -> Tensor:
+        """The meter, for the engine's rows and the vLLM plugin's alike: KL(law || q) [P]
+        (float64) at P drafted positions that emitted, stacked from any rows of one rule. q,
+        judged [P, V]; ids [P] the drafts; p [P, V] their draft rows, None for one-hot drafts.
+        A kind that emits each judged row t exactly has law t, so KL(t || q). A chain's law
+        is the rule's one step from p and q: for one-hot drafts exact at any vocabulary
+        (``one_hot_divergences``), else on q's support (``step_divergences``, NaN where that
+        exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens)."""
+        if self.emits_targets:
+            return kl(judged, q)
+        assert ids is not None  # a chain's law depends on its drafts
+        if p is None:
+            return one_hot_divergences(q, ids, rule)
+        return step_divergences(p, q, rule)
 
 
 class Block(Verification):
@@ -97,10 +119,6 @@ class Block(Verification):
     def judge(self, rule: Rule, draft: Draft, judged: Tensor, generator, greedy: bool):
         ids, p = _one_row(draft, judged.device)
         return _kept(verify_block(ids, judged[None], p, generator, False))  # SpS to judged
-
-    def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
-        positions = min(count, len(draft.tokens))
-        return kl(judged[:positions], q[:positions])
 
 
 class Tree(Verification):
@@ -127,7 +145,7 @@ class Tree(Verification):
 
     def divergence(self, rule, draft, q, judged, path, count) -> Tensor:
         at = torch.tensor(path_rows(path)[:count], device=q.device)  # [P]
-        return kl(judged[at], q[at])
+        return self.divergences(rule, q[at], judged[at])
 
 
 class Traversal(Tree):
@@ -173,7 +191,7 @@ def verification_of(
 ) -> Verification:
     """The kind a row of ``spec`` at ``sampling`` is verified by (the module docstring);
     ``length``: the most tokens the row may emit (a budget's pace)."""
-    kind = _kind(spec, sampling)
+    kind = kind_of(spec, sampling.greedy)
     if spec.kl_budget is None or sampling.greedy:
         return kind
     cactus = spec.rule
@@ -182,10 +200,12 @@ def verification_of(
     return Budgeted(budget, kind)
 
 
-def _kind(spec: DecodeSpec, sampling: SamplingConfig) -> Verification:
+def kind_of(spec: DecodeSpec, greedy: bool) -> Verification:
+    """The kind of a row of ``spec`` without an answer budget; ``greedy``: at temperature 0,
+    where a block is judged as a chain."""
     if spec.trees and spec.branches > 1:
         return (Tree if spec.verification == "tree" else Traversal)(spec.branches)
-    if spec.verification in ("block", "traversal") and not sampling.greedy:
+    if spec.verification in ("block", "traversal") and not greedy:
         return Block()
     return Verification()
 

@@ -14,7 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -26,10 +26,11 @@ from starlette.requests import ClientDisconnect
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.generation import GenerationResult, row_error_message
+from cactus_spec.runtime.generation import GenerationResult, Request, row_error_message
 from cactus_spec.runtime.grammar import Grammar, GrammarError
 from cactus_spec.runtime.logprobs import TokenLogprob
-from cactus_spec.runtime.scheduler import QueueFullError, Request, Scheduler
+from cactus_spec.runtime.rows import ServingEngine
+from cactus_spec.runtime.scheduler import QueueFullError, Scheduler
 from cactus_spec.server import schema
 from cactus_spec.server.answers import Answer
 from cactus_spec.server.metrics import prometheus_text
@@ -44,7 +45,7 @@ from cactus_spec.server.protocol import (
 from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools, tool_markers
 
 if TYPE_CHECKING:
-    from cactus_spec.runtime.engine import SpeculativeDecoder
+    pass
 
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
@@ -70,7 +71,7 @@ class ServerConfig:
     chat_template: str | None = None  # None: the tokenizer's
 
 
-def create_app(scheduler: Scheduler[SpeculativeDecoder], config: ServerConfig) -> FastAPI:
+def create_app(scheduler: Scheduler[ServingEngine], config: ServerConfig) -> FastAPI:
     """The FastAPI app over a started ``scheduler``. ``app.state.drain(grace)`` is what
     SIGTERM runs (``run.serve``): see ``_Handler.drain``."""
     app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
@@ -184,7 +185,7 @@ def _too_large(limit: int) -> APIError:
 class _Handler:
     """Turns a checked request body into a scheduler request and its answer."""
 
-    def __init__(self, scheduler: Scheduler[SpeculativeDecoder], config: ServerConfig) -> None:
+    def __init__(self, scheduler: Scheduler[ServingEngine], config: ServerConfig) -> None:
         self.scheduler = scheduler
         self.engine = scheduler.engine
         self.config = config
@@ -239,10 +240,19 @@ class _Handler:
         for ids in prompts:
             for i in range(body.n):
                 choice_seed = (seed + i) % (MAX_SEED + 1)
-                request = Request(ids, max_tokens, sampling, choice_seed, spec, stops)
-                request.logprobs, request.penalties = logprobs, penalties
-                request.stop_token_ids, request.ignore_eos = stop_ids, body.ignore_eos
-                request.grammar = grammar
+                request = Request(
+                    prompt_ids=ids,
+                    max_new_tokens=max_tokens,
+                    seed=choice_seed,
+                    spec=spec,
+                    sampling=sampling,
+                    stop=tuple(stops),
+                    stop_token_ids=stop_ids,
+                    ignore_eos=body.ignore_eos,
+                    logprobs=logprobs,
+                    penalties=penalties,
+                    grammar=grammar,
+                )
                 requests.append(request)
         return requests
 
@@ -369,11 +379,17 @@ class _Handler:
 
             return put
 
-        for index, pending in enumerate(pendings):
-            pending.on_text = send("text", index) if body.stream else None
-            if body.stream and pending.logprobs is not None:
-                pending.on_logprobs = send("logprobs", index)
-            pending.on_done, pending.on_error = send("done", index), send("error", index)
+        streams = body.stream and pendings[0].logprobs is not None  # every choice alike
+        pendings = [
+            replace(
+                pending,
+                on_text=send("text", index) if body.stream else None,
+                on_logprobs=send("logprobs", index) if streams else None,
+                on_done=send("done", index),
+                on_error=send("error", index),
+            )
+            for index, pending in enumerate(pendings)
+        ]
         self._submit(pendings)
         for pending in pendings:
             self.live[pending] = events

@@ -22,14 +22,14 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cactus_spec.core.checks import check_int
-from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.policy import POLICIES
+from cactus_spec.runtime.rows import ServingEngine
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from cactus_spec.server.protocol import APIError
 
 
 def make_scheduler(
-    engine: SpeculativeDecoder,
+    engine: ServingEngine,
     policy: str = "auto",
     max_queue: int = 64,
     prefill_chunk: int = PREFILL_CHUNK,
@@ -47,7 +47,7 @@ def make_scheduler(
 
 
 def start_scheduler(
-    engine: SpeculativeDecoder,
+    engine: ServingEngine,
     policy: str = "auto",
     max_queue: int = 64,
     prefill_chunk: int = PREFILL_CHUNK,

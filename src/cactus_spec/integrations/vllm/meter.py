@@ -3,16 +3,13 @@
 For every verified position whose token the sampler emitted (the accepted drafts and the
 one recovered at the first rejection; the bonus token is drawn from q and costs nothing)
 the meter adds KL(law || q), the exact divergence of that step's emitted law from the q
-the request samples from (after temperature, top-k, top-p and penalties):
-
-- one-hot drafts (greedy drafting, n-gram): ``audit.one_hot_divergences``, exact at any
-  vocabulary;
-- drafts with probabilities: ``audit.step_divergences``, exact on each position's verifier
-  support, NaN ("not measured") when that exceeds ``audit.MAX_AUDIT_SUPPORT`` tokens (no
-  top-k or top-p);
-- blocks (``verification = block``): the block emits its rule's target t at every drafted
-  position, so the law is t and the meter adds KL(t || q), exact at any vocabulary (the
-  sampler hands it over from judging the block, where t was solved).
+the request samples from (after temperature, top-k, top-p and penalties). The engine's
+meter computes it: each row's kind (``runtime.verifications``, a chain or a block here)
+gives ``divergences`` for the positions of all rows of one rule at once, exact at any
+vocabulary for one-hot drafts (greedy drafting, n-gram), on q's support for drafts with
+probabilities (NaN, "not measured", where that exceeds ``audit.MAX_AUDIT_SUPPORT``), and
+KL(t || q) for a block, which emits its rule's target t at every drafted position (the
+sampler hands those over from judging the block, where t was solved).
 
 When a request finishes (the worker learns it at its next step), the worker logs one line,
 appends one JSON line (request id, method, params, verification, drafted, accepted,
@@ -33,9 +30,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import one_hot_divergences, step_divergences
-from cactus_spec.core.rules import Rule
 from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.runtime.verifications import Verification
 
 METER_FILE_ENV = "CACTUS_SPEC_VLLM_METER"
 logger = logging.getLogger("vllm.cactus_spec")  # under vLLM's logger: its handlers and level
@@ -79,22 +75,25 @@ class Meter:
         for chain in chains:
             tally = self.tallies.setdefault(
                 chain.request_id,
-                Tally(chain.spec.method, dict(chain.spec.params), chain.kind),
+                Tally(chain.spec.method, dict(chain.spec.params), chain.kind.name),
             )
             tally.drafted += chain.drafted
             tally.accepted += min(chain.emitted - 1, chain.drafted)
             tally.positions += chain.positions
             if chain.positions and not chain.spec.lossless:
-                by_rule[chain.spec.rule, chain.block].append(chain)
-        for (rule, block), group in by_rule.items():
-            if block and block_kl is None:
+                by_rule[chain.spec.rule, chain.kind.emits_targets].append(chain)
+        for (rule, targets), group in by_rule.items():
+            if targets and block_kl is None:
                 raise ValueError("block_kl must hold the divergences of the blocks judged")
-            nats = (
-                _sums(group, block_kl[_positions(group)])
-                if block
-                else _divergences(rule, group, q, draft_ids, p)
-            )
-            for chain, value in zip(group, nats, strict=True):
+            index = _positions(group)  # [P]
+            if targets:
+                per_position = block_kl[index]  # [P], solved where the blocks were judged
+            else:
+                rows_p = None if p is None else p[index].float()
+                per_position = group[0].kind.divergences(
+                    rule, q[index], q[index], draft_ids[index].long(), rows_p
+                )
+            for chain, value in zip(group, _sums(group, per_position), strict=True):
                 self.tallies[chain.request_id].kl_nats += value
 
     def finish(self, request_id: str) -> Tally | None:
@@ -128,39 +127,20 @@ class Meter:
 @dataclass(frozen=True)
 class Chain:
     """One request's verified drafts in a batch: at [start, start + drafted) of the flattened
-    token axis, judged as a block or as a chain, of which the sampler emitted ``emitted``
-    tokens."""
+    token axis, judged by its row's ``kind`` (``runtime.verifications``: a chain or a block),
+    of which the sampler emitted ``emitted`` tokens."""
 
     request_id: str
     spec: DecodeSpec
     start: int
     drafted: int
     emitted: int
-    block: bool
-
-    @property
-    def kind(self) -> str:
-        return "block" if self.block else "chain"
+    kind: Verification
 
     @property
     def positions(self) -> int:
         """Verified positions that emitted a token (the bonus token is not one)."""
         return min(self.emitted, self.drafted)
-
-
-def _divergences(
-    rule: Rule, chains: list[Chain], q: Tensor, ids: Tensor, p: Tensor | None
-) -> list[float]:
-    """Each chain's KL(law || q) summed over its emitted positions; q [T, V], ids [T].
-
-    One audit call for the whole group; a position it cannot measure (its verifier support
-    is too large) is NaN, and so is its chain's sum, the others are measured."""
-    index = _positions(chains)  # [P]
-    if p is None:
-        per_position = one_hot_divergences(q[index], ids[index].long(), rule)  # [P]
-    else:
-        per_position = step_divergences(p[index].float(), q[index], rule)  # [P]
-    return _sums(chains, per_position)
 
 
 def _positions(chains: list[Chain]) -> Tensor:

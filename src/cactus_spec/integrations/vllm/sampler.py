@@ -32,13 +32,13 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import kl
 from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.core.targets import kernel_target
 from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
+from cactus_spec.runtime.verifications import Verification, kind_of
 
 _warned: list[bool] = []  # the synthetic-mode warning, once per process
 
@@ -59,16 +59,15 @@ class Current:
 
 @dataclass(frozen=True)
 class RuleRow:
-    """A sampled row that asks for a rule: its index in the batch, request, spec and span."""
+    """A sampled row that asks for a rule: its index in the batch, request, spec, span and
+    kind (``runtime.verifications.kind_of``: a block, which emits its rule's targets, or a
+    chain; the plugin refuses trees)."""
 
     index: int
     request_id: str
     spec: DecodeSpec
     span: tuple[int, int]
-
-    @property
-    def block(self) -> bool:
-        return self.spec.verification == "block"
+    kind: Verification
 
 
 def spans(num_draft_tokens: list[int]) -> list[tuple[int, int]]:
@@ -175,9 +174,9 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
                 None,
             )
         q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
-        blocks = [r for r in rows if r.block]
+        blocks = [r for r in rows if r.kind.emits_targets]
         if int((~is_greedy).sum()) > len(blocks):  # sampled rows the kernels judge
-            chains = [(r.spec, r.span) for r in rows if not r.block]
+            chains = [(r.spec, r.span) for r in rows if not r.kind.emits_targets]
             targets = rule_targets(q, draft_token_ids, draft_probs, chains)
             recovered = m.sample_recovered_tokens(
                 max_spec_len,
@@ -272,7 +271,8 @@ def judge_blocks(
         targets = rows_q  # [R, n, S]
         if not rule.lossless:
             targets = rule.block_target(rows_q, local, p)
-            divergences[index] = kl(targets, rows_q).flatten()
+            flat = (targets.flatten(0, 1), rows_q.flatten(0, 1))  # [R n, S]
+            divergences[index] = rows[0].kind.divergences(rule, flat[1], flat[0])
         bonus_row = one_hot(torch.searchsorted(used, bonus), size[-1]).to(q.dtype)  # [R, S]
         targets = torch.cat([targets, bonus_row[:, None]], 1)  # [R, n+1, S]
         generator = [generators[row.index] for row in rows] if seeded else None
@@ -305,7 +305,7 @@ def _rule_rows(
     greedy = (sampling_metadata.temperature == 0).tolist()
     rows = zip(batch.request_ids, batch.specs, spans(num_draft_tokens), greedy, strict=True)
     return [
-        RuleRow(index, request_id, spec, span)
+        RuleRow(index, request_id, spec, span, kind_of(spec, greedy=False))
         for index, (request_id, spec, span, is_greedy) in enumerate(rows)
         if spec is not None and not is_greedy and span[1] > span[0]
     ]
@@ -322,7 +322,7 @@ def _meter(
 ) -> None:
     emitted = (out != -1).sum(-1).tolist()  # [B]
     chains = [
-        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index], r.block)
+        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index], r.kind)
         for r in rows
     ]
     meter.record(chains, q, draft_ids, draft_probs, block_kl)

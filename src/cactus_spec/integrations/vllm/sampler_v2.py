@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import kl
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
 from cactus_spec.integrations.vllm.sampler import rule_targets, vllm_decides, warn_vllm_decides
+from cactus_spec.runtime.verifications import Block, Verification, kind_of
 
 
 class Current:
@@ -52,7 +52,8 @@ class Current:
 @dataclass(frozen=True)
 class Row:
     """One request of the call: its position j, logits rows [start, end) (the last is the
-    bonus row), valid drafts ``drafted``, request id, spec and the kind it is judged as."""
+    bonus row), valid drafts ``drafted``, request id, spec and the kind it is judged as
+    (``runtime.verifications``: a block, which emits its rule's targets, or a chain)."""
 
     j: int
     start: int
@@ -60,7 +61,7 @@ class Row:
     drafted: int
     request_id: str
     spec: DecodeSpec | None
-    block: bool
+    kind: Verification
 
     @property
     def ruled(self) -> bool:
@@ -130,7 +131,7 @@ def make_rejection_sample(original: Callable, meter: Meter) -> Callable:
             chains, offset = [], 0
             for row in ruled:
                 chains.append(
-                    Chain(row.request_id, row.spec, offset, row.drafted, emitted[row.j], row.block)
+                    Chain(row.request_id, row.spec, offset, row.drafted, emitted[row.j], row.kind)
                 )
                 offset += row.drafted
             meter.record(chains, q, ids, p, block_kl)
@@ -180,12 +181,12 @@ class Call:
     def judge(self, original: Callable, logits: Tensor, rows: list[Row]) -> tuple[Tensor, Tensor]:
         """Every row judged as its kind: one call when the batch holds one kind, else one
         call per kind on that kind's rows, merged in row order."""
-        kinds = {row.block for row in rows}
+        kinds = {row.kind.emits_targets for row in rows}  # blocks, and chains
         if len(kinds) == 1:
             return self.run(original, logits, kinds.pop())
         parts = []
         for block in (False, True):
-            part = [row for row in rows if row.block == block]
+            part = [row for row in rows if row.kind.emits_targets == block]
             subset, lines = self.subset(part)
             parts.append((part, *subset.run(original, logits[lines], block)))
         s0, n0 = parts[0][1], parts[0][2]
@@ -253,9 +254,11 @@ def _rows(
             drafted += 1
         if greedy[j]:
             spec = None
-        named = None if spec is None else spec.verification
-        block = server_block if named is None else named == "block"
-        rows.append(Row(j, start, end, drafted, request_id, spec, block))
+        if spec is not None and spec.verification is not None:
+            kind = kind_of(spec, greedy=False)
+        else:  # the server's kind
+            kind = Block() if server_block else Verification()
+        rows.append(Row(j, start, end, drafted, request_id, spec, kind))
     return rows
 
 
@@ -318,20 +321,26 @@ def _targets(rows: list[Row], q: Tensor, ids: Tensor, p: Tensor | None) -> tuple
     for row in rows:
         spans.append((offset, offset + row.drafted))
         offset += row.drafted
-    chains = [(row.spec, span) for row, span in zip(rows, spans, strict=True) if not row.block]
+    chains = [
+        (row.spec, span)
+        for row, span in zip(rows, spans, strict=True)
+        if not row.kind.emits_targets
+    ]
     targets = rule_targets(q, ids, p, chains)
     if targets is not q:
         targets = as_distribution(targets, draft_row(p, ids, q.shape[-1]))
     block_kl = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)  # [T]
     by_rule: dict[object, list[tuple[int, int]]] = defaultdict(list)
+    kinds: dict[object, Verification] = {}  # a block's, to meter each rule's positions
     for row, span in zip(rows, spans, strict=True):
-        if row.block and not row.spec.lossless:
+        if row.kind.emits_targets and not row.spec.lossless:
             by_rule[row.spec.rule].append(span)
+            kinds.setdefault(row.spec.rule, row.kind)
     for rule, group in by_rule.items():
         index = ranges(group).to(q.device)  # [P]
         t = rule.block_target(q[index], ids[index], None if p is None else p[index])
         if targets is q:
             targets = q.clone()
         targets[index] = t
-        block_kl[index] = kl(t, q[index])
+        block_kl[index] = kinds[rule].divergences(rule, q[index], t)
     return targets, block_kl

@@ -1,0 +1,150 @@
+"""The options that load the models, read and checked once.
+
+As ``core.spec.parse_spec`` reads the decoding options, ``parse_load`` reads the loading
+options (``LOAD_KEYS``) for the engine, the command line (``generate``, ``demo``, ``serve``,
+``bench``) and lm-eval's model args: each caller hands what it was given and a ``label`` that
+names a key the way its user wrote it (``--draft-vocab``, ``draft_vocab``), and gets the same
+one-line errors, before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from cactus_spec.backends.quant import QUANTS
+from cactus_spec.core.checks import is_int
+from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.models import (
+    LoadedModel,
+    ModelSource,
+    check_device,
+    resolve_dtype,
+    resolve_verifier_quant,
+)
+
+__all__ = ["BACKENDS", "LOAD_KEYS", "LoadOptions", "parse_load"]
+
+#: The code that runs a loaded model (``loading.backend.make_backend``).
+BACKENDS = ("auto", "lean", "hf")
+#: What ``parse_load`` reads.
+LOAD_KEYS = (
+    "verifier", "draft", "verifier_quant", "draft_quant", "draft_vocab", "dtype", "device",
+    "threads", "backend",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Which models load and how. ``draft`` is None exactly when nothing is drafted by a
+    model; ``verifier_quant`` is resolved (never ``auto``: ``resolve_verifier_quant``)."""
+
+    verifier: ModelSource = DEFAULT_PAIR[0]
+    draft: ModelSource | None = None
+    verifier_quant: str = "none"
+    draft_quant: str = "int8"
+    draft_vocab: int | None = None
+    dtype: str | torch.dtype | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    backend: str = "auto"
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Every option by its key, as ``SpeculativeDecoder`` takes them."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What ``load_model`` takes for either model, beside its quantisation."""
+        return {"dtype": self.dtype, "device": self.device, "threads": self.threads}
+
+
+def parse_load(
+    values: Mapping[str, object],
+    *,
+    needs_draft: bool,
+    default_pair: tuple[str, str] | None = DEFAULT_PAIR,
+    label: Callable[[str], str] = str,
+) -> LoadOptions:
+    """The options ``values`` describe (keys: ``LOAD_KEYS``; a None value counts as not given).
+
+    The verifier defaults to ``default_pair[0]``; the draft to ``default_pair[1]`` where
+    ``needs_draft`` (the spec drafts with a model); without ``default_pair`` both are
+    required. A draft or a draft vocabulary given where nothing is drafted by a model is
+    refused. Counts may be text (lm-eval's model args). ValueError naming the key
+    (``label(key)``) and what it allows, for the first bad one; TypeError for a model that
+    is neither a name nor a model.
+    """
+    given = {k: v for k, v in values.items() if v is not None}
+    unknown = [k for k in given if k not in LOAD_KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; the loading options are {LOAD_KEYS}")
+    for key in ("draft", "draft_vocab"):
+        if key in given and not needs_draft:
+            raise ValueError(
+                f"{label(key)} does not apply: nothing is drafted by a model "
+                "(method ar or drafter ngram)"
+            )
+    defaults = default_pair or (None, None)
+    device = str(check_device(given.get("device", "cpu"), label("device")))
+    dtype = given.get("dtype")
+    if not isinstance(dtype, (str, torch.dtype, type(None))):
+        raise ValueError(f"{label('dtype')} must be a dtype's name or a torch.dtype, got {dtype!r}")
+    resolve_dtype(dtype, device, label("dtype"))
+    return LoadOptions(
+        verifier=_source(label("verifier"), given.get("verifier", defaults[0])),
+        draft=_source(label("draft"), given.get("draft", defaults[1])) if needs_draft else None,
+        verifier_quant=resolve_verifier_quant(
+            _choice(label("verifier_quant"), given.get("verifier_quant", "none"), (*QUANTS, "auto"))
+        ),
+        draft_quant=_choice(label("draft_quant"), given.get("draft_quant", "int8"), QUANTS),
+        draft_vocab=_count(label("draft_vocab"), given.get("draft_vocab")),
+        dtype=dtype,
+        device=device,
+        threads=_count(label("threads"), given.get("threads")),
+        backend=_choice(label("backend"), given.get("backend", "auto"), BACKENDS),
+    )
+
+
+def _source(name: str, value: object) -> ModelSource:
+    """A model name, path or hub id, or a model already loaded: TypeError for another type
+    (None included: where there is no default, a model is required), ValueError for ''."""
+    if isinstance(value, (LoadedModel, PreTrainedModel)) or hasattr(value, "__fspath__"):
+        return value  # type: ignore[return-value]  # a path-like loads as its path
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a model name, path, hub id, LoadedModel or PreTrainedModel, "
+            f"got {type(value).__name__}"
+        )
+    if not value.strip():
+        raise ValueError(f"{name} must be a model name, path or hub id, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _count(name: str, value: object) -> int | None:
+    """None, or an integer >= 1 (or its text)."""
+    if value is None:
+        return None
+    number = _as_int(value)
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def _as_int(value: object) -> int | None:
+    if is_int(value):
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
