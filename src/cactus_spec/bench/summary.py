@@ -219,7 +219,7 @@ def _gain_kept(config: dict, configs: Sequence[dict]) -> dict:
         return {}
     same = _drafting(config)
     cap = {k: v for k, v in config["params"].items() if k not in BUDGET_KEYS}
-    sps = [c for c in configs if c["method"] == "sps" and _chain(c) and _drafting(c) == same]
+    sps = _chain_sps(configs).get(same)
     free = [
         c
         for c in configs
@@ -228,10 +228,10 @@ def _gain_kept(config: dict, configs: Sequence[dict]) -> dict:
         and c["verification"] == config["verification"]
         and _drafting(c) == same
     ]
-    if not (sps and free) or None in (sps[0].get("mean_accepted"), free[0].get("mean_accepted")):
+    if sps is None or not free or free[0].get("mean_accepted") is None:
         return {}
-    gain = free[0]["mean_accepted"] - sps[0]["mean_accepted"]
-    kept = config["mean_accepted"] - sps[0]["mean_accepted"]
+    gain = free[0]["mean_accepted"] - sps["mean_accepted"]
+    kept = config["mean_accepted"] - sps["mean_accepted"]
     return {"gain_kept": kept / gain} if gain else {}
 
 
@@ -248,17 +248,15 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
     ar = next((c for c in configs if c["id"] == reference and c.get("accuracy")), None)
     if ar is None:
         return []
-    sps = {
-        _drafting(c): c
-        for c in configs
-        if c["method"] == "sps" and _chain(c) and c.get("mean_accepted")
-    }
+    sps = _chain_sps(configs)
     found = []
     for c in configs:
         base = sps.get(_drafting(c))
         compared = c["method"] not in ("ar", "sps") or not _chain(c)
         measured = c.get("mean_accepted") and c.get("accuracy")
-        if not (compared and measured) or base is None or c["verifier"] != ar["verifier"]:
+        if not (compared and measured and base and base["mean_accepted"]):
+            continue
+        if c["verifier"] != ar["verifier"]:
             continue
         gain = c["mean_accepted"] / base["mean_accepted"]
         k = c["num_draft_tokens"]  # None: the policy's (no fixed ceiling)
@@ -275,6 +273,16 @@ def claim_check(configs: Sequence[dict], reference: str | None) -> list[dict]:
             }
         )
     return found
+
+
+def _chain_sps(configs: Sequence[dict]) -> dict[tuple, dict]:
+    """Chain SpS with a measured mean accepted length, by what it drafts with
+    (``_drafting``): the baseline of a configuration's gain."""
+    return {
+        _drafting(c): c
+        for c in configs
+        if c["method"] == "sps" and _chain(c) and c.get("mean_accepted") is not None
+    }
 
 
 def _drafting(config: dict) -> tuple:

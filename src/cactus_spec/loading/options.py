@@ -81,7 +81,8 @@ def parse_load(
     given = {k: v for k, v in values.items() if v is not None}
     unknown = [k for k in given if k not in LOAD_KEYS]
     if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r}; the loading options are {LOAD_KEYS}")
+        allowed = ", ".join(LOAD_KEYS)
+        raise ValueError(f"unknown key {unknown[0]!r}; the loading options are {allowed}")
     for key in ("draft", "draft_vocab"):
         if key in given and not needs_draft:
             raise ValueError(
