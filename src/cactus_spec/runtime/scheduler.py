@@ -199,9 +199,11 @@ class Scheduler(Generic[Engine]):
         being read, run one iteration over the rest, finish what ended."""
         if admitted:  # rows in order, so that a batch of neighbouring rows is a view
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
-        with self._wake:  # what ended before its cancel came is forgotten
-            self._cancelled &= {request for request, _ in self._active}
-            cancelled = [pair for pair in self._active if pair[0] in self._cancelled]
+        cancelled = []
+        if self._cancelled:  # rarely: no lock or set work on the decode loop's common turn
+            with self._wake:  # what ended before its cancel came is forgotten
+                self._cancelled &= {request for request, _ in self._active}
+                cancelled = [pair for pair in self._active if pair[0] in self._cancelled]
         for request, g in cancelled:
             self._release(request, g)
             self.counters.requests_cancelled += 1
