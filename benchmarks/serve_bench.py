@@ -11,9 +11,14 @@ tokens/s (all completion tokens / wall time from the first request to the last a
 time to first token and inter-token latency (p50, p95 over requests; ITL =
 (last chunk - first chunk) / (tokens - 1)), every gap between two chunks of a stream (p95
 and max: what a running stream waits while new requests are read), acceptance, mean K, KL
-per token. Then ``--chats`` two-turn conversations at once, the second turn resending the
-history: the TTFT of each turn (prefix caching reads only the second turn's new tokens).
-``--server-args`` passes more flags to the server (``--no-prefix-cache``) and ``--label``
+per token. Before them, each method answers one prompt outside the measured ones in full
+(untimed): a server's first requests ran 20% slower a token than later ones (held to AVX2,
+61-66 against 50-52 ms), and the first method measured would carry that. Methods measured
+later find the measured prompts in the rows' prefix caches (the verifier's after AR, both
+models' after SpS): ``--server-args=--no-prefix-cache`` compares them on unread prompts.
+Then ``--chats`` two-turn conversations at once, the second turn resending the history: the
+TTFT of each turn (prefix caching reads only the second turn's new tokens).
+``--server-args`` passes more flags to the server and ``--label``
 names the run, so runs of other code or flags keep their own lines.
 
 Each configuration appends one line to ``results.jsonl`` as it finishes; a rerun skips those
@@ -331,10 +336,13 @@ def main() -> None:
             r["method"] == m and r["concurrency"] == c and r["settings"] == settings for r in done
         )
     ]
-    prompts = [item.prompt for item in humaneval_items(REQUESTS_PER_CLIENT * max(levels))]
+    *prompts, spare = [
+        item.prompt for item in humaneval_items(REQUESTS_PER_CLIENT * max(levels) + 1)
+    ]
     with served(args, max(levels), out / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
-        one_request(client, "bench", prompts[0], METHODS["cactus"], 8, 0)  # warm-up
+        for method in dict.fromkeys(m for m, _ in todo):  # warm-up: a whole answer each
+            one_request(client, "bench", spare, METHODS[method], args.max_tokens, 0)
         for method, concurrency in todo:
             row = run_config(
                 client, "bench", prompts, METHODS[method], concurrency, args.max_tokens

@@ -167,6 +167,25 @@ def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_de
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
 
 
+def test_the_policys_forecast_is_the_model_it_chooses_by() -> None:
+    """forecast: K = 0 is one token for one verifier step; K = 3 is 1 + S_1 + S_2 + S_3
+    tokens (S_j the row's chances' products, about 0.8^j) for 3 draft steps and a 4-token
+    forward; the K chosen maximises tokens per second (control: a dear verifier moves both
+    to 0)."""
+    g = generation(decoder(1), [1, 2, 3], spec_of(Cactus(1.0), None))
+    policy = policy_with(0.002, {1: 0.050, 4: 0.054, 9: 0.060})
+    forecast = policy.forecast([g], [0])
+    assert forecast[0] == (1.0, pytest.approx(0.050))
+    a1, a2, a3 = policy.chances(g)[:3]
+    assert forecast[3][0] == pytest.approx(1 + a1 + a1 * a2 + a1 * a2 * a3)
+    assert forecast[3][0] == pytest.approx(1 + 0.8 + 0.8**2 + 0.8**3, abs=0.05)
+    assert forecast[3][1] == pytest.approx(3 * 0.002 + 0.054)
+    best = max(range(9), key=lambda k: forecast[k][0] / forecast[k][1])
+    assert policy.choose([g], [0]) == [best] and best > 0
+    dear = policy_with(0.010, {1: 0.050, 9: 0.450, 144: 7.2}).forecast([g], [0])
+    assert max(range(9), key=lambda k: dear[k][0] / dear[k][1]) == 0
+
+
 def test_the_policy_costs_a_tree_by_its_nodes() -> None:
     """A tree of width 4 verifies 4 K + 1 tokens and drafts 4 rows a step: where verifying
     grows dear past 9 tokens, the policy drafts the chain to its cap and the tree shallower

@@ -183,7 +183,27 @@ class SpeculationPolicy:
             best = self._best_k([generations[i] for i in auto], lags, fixed)
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
+    def forecast(
+        self, generations: Sequence[Generation], behind: Sequence[int]
+    ) -> list[tuple[float, float]]:
+        """(E(K), T(K)) for K = 0..K_max: the tokens and seconds the module docstring's model
+        expects of one iteration in which the rows that leave K open draft K (the others
+        their own K); what ``choose`` weighs, for tracing it."""
+        auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
+        fixed = [g for g in generations if not g.spec.auto_k]
+        return self._forecast([generations[i] for i in auto], [behind[i] for i in auto], fixed)
+
     def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
+        rates = [
+            tokens / seconds if seconds > 0 else float(k == 0)
+            for k, (tokens, seconds) in enumerate(self._forecast(auto, lags, fixed))
+        ]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
+
+    def _forecast(
+        self, auto: list[Generation], lags: list[int], fixed: list[Generation]
+    ) -> list[tuple[float, float]]:
         pool = self.pool_chances()
         chances = [self.chances(g, pool) for g in auto]
         widths = [g.verification.branches for g in auto]
@@ -192,19 +212,17 @@ class SpeculationPolicy:
 
         lag = sum(n for n in lags if n > _STEADY_LAG)
         catch_up = lag * self.catch_up_token_s
-        remaining = max(1.0, sum(g.remaining for g in auto) / len(auto))  # tokens per row
+        remaining = max(1.0, sum(g.remaining for g in auto) / max(1, len(auto)))  # per row
 
-        def rate(k: int) -> float:
+        def forecast(k: int) -> tuple[float, float]:
             per_row = [expected_tokens(c, k) for c in chances]
             cost = self.verify.estimate(fixed_tokens + sum(w * k + 1 for w in widths))
-            if k > 0:  # the catch-up, paid off over the iterations the rows have left
+            if k > 0 and per_row:  # the catch-up, paid off over the iterations the rows have left
                 iterations_left = remaining / (sum(per_row) / len(per_row))
                 cost += k * self.draft.estimate(rows) + catch_up / iterations_left
-            return sum(per_row) / cost if cost > 0 else float(k == 0)
+            return sum(per_row), cost
 
-        rates = [rate(k) for k in range(self.max_draft_tokens + 1)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
+        return [forecast(k) for k in range(self.max_draft_tokens + 1)]
 
     def probing(self) -> bool:
         """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
