@@ -10,7 +10,7 @@ PyPI); ``llama-server`` is built there once per level with CMake, into ``build-I
 for ``native`` ``-DGGML_NATIVE=ON``. Our server runs with ``CACTUS_SPEC_ISA`` set to the
 same level (its kernels built for it, torch held to it; the verifier in int8 where the
 level has no bfloat16 arithmetic, as the command line chooses, or ``--verifier-quant``), one
-row, the policy auto.
+row, the policy auto; ``--server-args=...`` passes more flags to it (``--draft-quant int4``).
 Three servers are started, 2 threads each, and stay up; only one decodes at a time. Rows:
 our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the policy's K (a request with no
 seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--verifier-quant", default="auto", help="our verifier's weights")
+    parser.add_argument("--server-args", default="", help="more flags for our server")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +72,7 @@ def main() -> None:
     done = _done(out / "results.jsonl")
     with contextlib.ExitStack() as stack:
         urls = {
-            "ours": stack.enter_context(ours(args.isa, args.verifier_quant, out / "ours.log")),
+            "ours": stack.enter_context(ours(args, out / "ours.log")),
             LLAMA[0]: stack.enter_context(llama(binary, [verifier], out / "llama.log")),
             LLAMA[1]: stack.enter_context(
                 llama(
@@ -116,12 +117,13 @@ def prompts(n: int) -> list[list[dict]]:
 
 
 @contextlib.contextmanager
-def ours(isa: str, verifier_quant: str, log: Path) -> Iterator[str]:
+def ours(args, log: Path) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "CACTUS_SPEC_ISA": isa}
+    env = {**os.environ, "CACTUS_SPEC_ISA": args.isa}
     cli = Path(sys.executable).with_name("cactus-spec")
     command = [str(cli), "serve", "--port", str(port), "--max-batch", "1", "--threads", "2",
-               "--served-model-name", "model", "--verifier-quant", verifier_quant]  # fmt: skip
+               "--served-model-name", "model", "--verifier-quant", args.verifier_quant,
+               *args.server_args.split()]  # fmt: skip
     yield from _served(command, env, port, log)
 
 
@@ -182,7 +184,8 @@ def ask(url: str, row: str, messages: list[dict], index: int, args) -> dict:
 def render(results: list[dict], args) -> str:
     by = {(r["prompt"], r["row"]): r["tokens_per_s"] for r in results}
     prompts_done = sorted({r["prompt"] for r in results})
-    lines = [f"Server against server, held to {args.isa}, our verifier {args.verifier_quant}, "
+    lines = [f"Server against server, held to {args.isa}, our verifier {args.verifier_quant} "
+             f"{args.server_args}, "
              f"{len(prompts_done)} HumanEval chat prompts, {args.max_tokens} new tokens, "
              "2 threads each", "",
              "| row | tokens/s (median) | vs llama.cpp plain: median [min, max] |",
