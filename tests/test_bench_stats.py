@@ -121,3 +121,26 @@ def test_block_verified_runs_are_compared_with_chain_sps() -> None:
     found = {x["id"]: x for x in claim_check(configs, "ar")}
     assert set(found) == {"sps-block"}
     assert found["sps-block"]["gain_over_sps"] == pytest.approx(1.1)
+
+
+def test_gain_per_nat_ranks_ways_of_spending_divergence_against_sps() -> None:
+    """Two nats bought 2 more accepted tokens an iteration (1 per nat), eight bought 3 (0.375
+    per nat); SpS, AR, a row that spent nothing and one drafting otherwise get no figure."""
+    from cactus_spec.bench.summary import _gain_per_nat
+
+    def spent(cid: str, method: str, accepted: float | None, kl: float, k: int = 10) -> dict:
+        config = _config(cid, method, accepted, 0.5) | {"kl_nats_per_sequence": kl}
+        return config | ({"num_draft_tokens": k} if accepted is not None else {})
+
+    configs = [
+        spent("ar", "ar", None, 0.0),
+        spent("sps", "sps", 5.0, 0.0),
+        spent("budget", "cactus", 7.0, 2.0),
+        spent("free", "cactus", 8.0, 8.0),
+        spent("none", "cactus", 5.5, 0.0),
+        spent("k4", "cactus", 4.0, 1.0, k=4),  # no SpS at K = 4 in this run
+    ]
+    per_nat = {c["id"]: _gain_per_nat(c, configs).get("gain_per_nat") for c in configs}
+    assert per_nat == {
+        "ar": None, "sps": None, "budget": 1.0, "free": 0.375, "none": None, "k4": None,
+    }  # fmt: skip

@@ -213,6 +213,7 @@ BUDGET_HEADER = (
     "N",
     "mean accepted",
     "gain kept",
+    "accepted gained per nat",
     "tokens/s vs SpS: median [min, max]",
     "KL nats/answer: mean",
     "max",
@@ -223,9 +224,9 @@ BUDGET_HEADER = (
 
 
 def budget_table(configs: Sequence[dict]) -> list[str]:
-    """SpS, Cactus and budgeted Cactus side by side: acceptance (and the share of Cactus's
-    gain over SpS a budget keeps), speed over SpS, the KL each answer spent, and the bound a
-    budget gives on any event's probability."""
+    """SpS, Cactus and budgeted Cactus side by side: acceptance (the share of Cactus's gain
+    over SpS a budget keeps, and the gain per nat an answer spent), speed over SpS, the KL
+    each answer spent, and the bound a budget gives on any event's probability."""
     rows = []
     for c in configs:
         if c["method"] not in ("sps", "cactus") or not c["n"]:
@@ -238,6 +239,7 @@ def budget_table(configs: Sequence[dict]) -> list[str]:
                 str(c["n"]),
                 format_number(c.get("mean_accepted")),
                 DASH if c.get("gain_kept") is None else f"{c['gain_kept']:.0%}",
+                format_number(c.get("gain_per_nat"), 2),
                 format_interval(c.get("speedup_vs_sps"), suffix="x"),
                 format_number(c.get("kl_nats_per_sequence"), 3),
                 format_number(c.get("kl_nats_per_sequence_max"), 3),

@@ -179,7 +179,7 @@ def summarise(
         | _versus_sps(c, grid, by_config)
         for c in grid
     ]
-    configs = [c | _gain_kept(c, configs) for c in configs]
+    configs = [c | _gain_kept(c, configs) | _gain_per_nat(c, configs) for c in configs]
     return {
         **meta,
         "n_items": len(items),
@@ -233,6 +233,20 @@ def _gain_kept(config: dict, configs: Sequence[dict]) -> dict:
     gain = free[0]["mean_accepted"] - sps["mean_accepted"]
     kept = config["mean_accepted"] - sps["mean_accepted"]
     return {"gain_kept": kept / gain} if gain else {}
+
+
+def _gain_per_nat(config: dict, configs: Sequence[dict]) -> dict:
+    """For a lossy configuration that spent divergence: the mean accepted length it gained
+    over the chain SpS of its drafting, per nat of KL an answer spent on average. It ranks
+    ways of spending divergence at any total (a budget, its allocation, a per-position
+    delta): the comparison at equal KL that a budget table asks for."""
+    sps = _chain_sps(configs).get(_drafting(config))
+    spent = config.get("kl_nats_per_sequence")
+    if config["method"] in ("ar", "sps") or sps is None or not spent or spent <= 0:
+        return {}
+    if config.get("mean_accepted") is None:
+        return {}
+    return {"gain_per_nat": (config["mean_accepted"] - sps["mean_accepted"]) / spent}
 
 
 #: The paper's claim: this much more accepted per iteration than SpS, at the verifier's quality.
