@@ -258,3 +258,25 @@ def test_ngram_drafts_outside_the_grammar_are_cut(target) -> None:
     assert out.text.startswith("{")
     if out.finish_reason == "stop":
         json.loads(out.text)
+
+
+def test_a_spec_the_engine_cannot_draft_fails_before_its_grammar_compiles(target) -> None:
+    """A row's spec is checked against the engine's drafter before its grammar compiles: a
+    request drafting with a model on a prompt-lookup engine gets the drafter's error, not
+    its grammar's; control: with the engine's own drafter, the grammar's error."""
+    from cactus_spec.runtime.generation import Request
+
+    engine = SpeculativeDecoder(target, spec=spec_of(SpS(), 4, drafter="ngram"))
+    broken = Grammar("regex", "(unclosed")
+
+    def start(drafter: str) -> None:
+        spec = spec_of(SpS(), 4, drafter=drafter)
+        request = Request(
+            prompt_ids=[1, 2], max_new_tokens=4, sampling=SAMPLING, spec=spec, grammar=broken
+        )
+        engine.new_generation(request, 0)
+
+    with pytest.raises(ValueError, match="drafts with model, but this engine drafts with ngram"):
+        start("model")
+    with pytest.raises(ValueError, match="the regex grammar does not compile"):
+        start("ngram")

@@ -411,7 +411,9 @@ class SpeculativeDecoder:
     def new_generation(self, request: Request, row: int) -> Generation:
         """The generation of ``request``, begun in ``row``: the row keeps the longest prefix its
         caches share with the prompt (``Stepper.start``); its spec must draft with this
-        engine's drafter, or draft nothing."""
+        engine's drafter, or draft nothing (checked before its grammar compiles)."""
+        if request.spec is not None:
+            self._check_drafter(request.spec)
         generation = Generation(
             request,
             eos_ids=_ends(self.verifier.eos_ids, request),
@@ -420,7 +422,6 @@ class SpeculativeDecoder:
             row=row,
             constraint=self._constraint(request),
         )
-        self._check_drafter(generation.spec)
         self._stepper.start([generation])
         return generation
 
