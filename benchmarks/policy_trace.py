@@ -27,6 +27,10 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Request
+from cactus_spec.runtime.policy import CostTable
+
+#: (forecast seconds, measured seconds, forecast tokens, emitted tokens) of an iteration.
+Trace = tuple[float, float, float, int]
 
 
 def main() -> None:
@@ -52,14 +56,9 @@ def main() -> None:
     )
     policy = engine.calibrated_policy()
     assert policy is not None  # the default pair drafts with a model
-    print(
-        "calibrated: verify ms by tokens",
-        _table(policy.verify),
-        "draft ms by rows",
-        _table(policy.draft),
-        flush=True,
-    )
-    measured: dict[int, list[tuple[float, float, float, float]]] = defaultdict(list)
+    print(f"calibrated: verify ms by tokens {_table(policy.verify)}; draft ms by rows "
+          f"{_table(policy.draft)}", flush=True)  # fmt: skip
+    measured: dict[int, list[Trace]] = defaultdict(list)
     for i, item in enumerate(humaneval_items(args.n)):
         ids = engine.encode_chat([{"role": "user", "content": item.prompt}])
         request = Request(
@@ -68,27 +67,37 @@ def main() -> None:
         g = engine.new_generation(request, 0)
         engine.prefill([g])
         while not g.done:
-            forecast = policy.forecast([g], engine.behind([g]))
-            (k,) = policy.choose([g], engine.behind([g]))
-            k = k if args.fixed_k is None else args.fixed_k
-            start = time.perf_counter()
-            timing = engine.step([g], [k])
-            wall = time.perf_counter() - start
-            policy.observe(timing)
-            tokens, seconds = forecast[k]
-            other = wall - timing.draft_s - timing.verify_s
-            measured[k].append((seconds, wall, tokens, timing.emitted))
-            print(
-                f"prompt {i} K={k:2d} forecast {tokens:5.2f} tok / {1000 * seconds:6.1f} ms "
-                f"(K=0 {1000 * forecast[0][1]:5.1f} ms, K={len(forecast) - 1} "
-                f"{forecast[-1][0]:5.2f} / {1000 * forecast[-1][1]:6.1f} ms); measured "
-                f"{1000 * wall:6.1f} ms (draft {1000 * timing.draft_s:5.1f}, verify "
-                f"{1000 * timing.verify_s:5.1f}, other {1000 * other:4.1f}), "
-                f"{timing.emitted} tokens",
-                flush=True,
-            )
+            k, trace = _iteration(engine, policy, g, args.fixed_k, f"prompt {i}")
+            measured[k].append(trace)
         policy.learn_acceptance(g)
         g.finish()
+    _summary(measured)
+
+
+def _iteration(engine, policy, g, fixed_k: int | None, label: str) -> tuple[int, Trace]:
+    """One iteration of ``g`` at the policy's K (or ``fixed_k``), printed beside the
+    policy's forecast for it."""
+    behind = engine.behind([g])
+    forecast = policy.forecast([g], behind)
+    (k,) = policy.choose([g], behind) if fixed_k is None else (fixed_k,)
+    start = time.perf_counter()
+    timing = engine.step([g], [k])
+    wall = time.perf_counter() - start
+    policy.observe(timing)
+    tokens, seconds = forecast[k]
+    other = wall - timing.draft_s - timing.verify_s
+    print(
+        f"{label} K={k:2d} forecast {tokens:5.2f} tok / {1000 * seconds:6.1f} ms "
+        f"(K=0 {1000 * forecast[0][1]:5.1f} ms, K={len(forecast) - 1} "
+        f"{forecast[-1][0]:5.2f} / {1000 * forecast[-1][1]:6.1f} ms); measured "
+        f"{1000 * wall:6.1f} ms (draft {1000 * timing.draft_s:5.1f}, verify "
+        f"{1000 * timing.verify_s:5.1f}, other {1000 * other:4.1f}), {timing.emitted} tokens",
+        flush=True,
+    )
+    return k, (seconds, wall, tokens, timing.emitted)
+
+
+def _summary(measured: dict[int, list[Trace]]) -> None:
     print("\nby K: iterations, forecast / measured ms (median), forecast / emitted tokens (mean)")
     for k in sorted(measured):
         forecast_s, wall, tokens, emitted = zip(*measured[k], strict=True)
@@ -99,7 +108,7 @@ def main() -> None:
         )
 
 
-def _table(table) -> str:
+def _table(table: CostTable) -> str:
     return ", ".join(
         f"{n}: {1000 * s:.1f}" for n, s in zip(table.sizes, table.seconds, strict=True)
     )
