@@ -241,10 +241,8 @@ def _gain_per_nat(config: dict, configs: Sequence[dict]) -> dict:
     ways of spending divergence at any total (a budget, its allocation, a per-position
     delta): the comparison at equal KL that a budget table asks for."""
     sps = _chain_sps(configs).get(_drafting(config))
-    spent = config.get("kl_nats_per_sequence")
-    if config["method"] in ("ar", "sps") or sps is None or not spent or spent <= 0:
-        return {}
-    if config.get("mean_accepted") is None:
+    spent = config.get("kl_nats_per_sequence")  # 0 for AR and SpS
+    if sps is None or not spent or spent <= 0 or config.get("mean_accepted") is None:
         return {}
     return {"gain_per_nat": (config["mean_accepted"] - sps["mean_accepted"]) / spent}
 

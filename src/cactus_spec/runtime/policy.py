@@ -172,15 +172,12 @@ class SpeculationPolicy:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
         the K that maximises expected tokens per second over the whole batch. ``behind[i]``:
         the tokens the drafter would read for generation i before drafting."""
-        auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
-        fixed = [g for g in generations if not g.spec.auto_k]
-        lags = [behind[i] for i in auto]
-        if not auto:
+        if not any(g.spec.auto_k for g in generations):
             best = 0
         elif self.probing():
             best = self.max_draft_tokens
         else:
-            best = self._best_k([generations[i] for i in auto], lags, fixed)
+            best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def forecast(
@@ -188,18 +185,10 @@ class SpeculationPolicy:
     ) -> list[tuple[float, float]]:
         """(E(K), T(K)) for K = 0..K_max: the tokens and seconds the module docstring's model
         expects of one iteration in which the rows that leave K open draft K (the others
-        their own K); what ``choose`` weighs, for tracing it."""
+        their own K); what ``choose`` weighs."""
         auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
         return self._forecast([generations[i] for i in auto], [behind[i] for i in auto], fixed)
-
-    def _best_k(self, auto: list[Generation], lags: list[int], fixed: list[Generation]) -> int:
-        rates = [
-            tokens / seconds if seconds > 0 else float(k == 0)
-            for k, (tokens, seconds) in enumerate(self._forecast(auto, lags, fixed))
-        ]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
     def _forecast(
         self, auto: list[Generation], lags: list[int], fixed: list[Generation]
@@ -311,6 +300,17 @@ class SpeculationPolicy:
         if draft_step is not None:
             for rows in _doubling(max_rows):
                 self.draft.observe(rows, _least_of_three(draft_step, rows))
+
+
+def _best_k(forecast: Sequence[tuple[float, float]]) -> int:
+    """The K of the highest forecast rate E(K) / T(K), if it beats plain decoding (K = 0) by
+    ``_MARGIN``, else 0."""
+    rates = [
+        tokens / seconds if seconds > 0 else float(k == 0)
+        for k, (tokens, seconds) in enumerate(forecast)
+    ]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return best if rates[best] >= (1 + _MARGIN) * rates[0] else 0
 
 
 def _least_of_three(work: Callable[[int], float], size: int) -> float:
