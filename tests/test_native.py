@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native kernels could not be built here"
 )
 
-SHAPES = [(1, 896, 128), (3, 101, 37), (5, 64, 130), (9, 40, 64)]  # (M, K, N)
+SHAPES = [(1, 896, 128), (3, 101, 37), (5, 64, 130), (9, 40, 64), (13, 200, 96)]  # (M, K, N)
 
 
 def _layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -39,17 +39,12 @@ constexpr int kBlocks = 4;                      // tiles of 16 outputs per strip
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padded to it)
 constexpr int64_t kKStep = 32;                  // inputs per tile (K is padded to it)
 constexpr int64_t kTileRows = 16;               // input rows per AMX tile at most
-constexpr int kRowTile = 6;                     // input rows per pass over a stripe (AVX512)
+// Input rows per pass over a stripe (AVX512; rows_per_pass): 24 of the 32 vector registers hold
+// 6 rows' sums of a stripe. On this project's EPYC an 11-row pass over a decoder block's
+// products took 3.6 ms with 6 rows per pass (6 + 5) against 4.1 with 4; one row is unchanged.
+constexpr int kRowTile = 6;
 constexpr int64_t kAhead = 512;                 // bytes of each block prefetched ahead (AVX512)
 
-// Rows per pass over a stripe for m >= 0 rows: the fewest passes of at most kRowTile rows,
-// split evenly (11 rows: 6 + 5; 24 of the 32 vector registers hold 6 rows' sums of a stripe).
-// On this project's EPYC an 11-row pass over a decoder block's products took 3.6 ms with 6
-// rows per pass against 4.1 with 4; one row is unchanged.
-int64_t vector_rows(int64_t m) {
-  const int64_t passes = std::max<int64_t>(1, (m + kRowTile - 1) / kRowTile);
-  return (m + passes - 1) / passes;  // 0 for m = 0: no pass runs
-}
 
 #ifdef CACTUS_AVX512_BF16
 // sums[r][j] = sum_k x[r, k] w[j, k] for R rows (k2 apart) and one stripe, in float32.
@@ -129,7 +124,8 @@ void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
   const auto* weight = reinterpret_cast<const uint16_t*>(w.packed.data_ptr<at::BFloat16>());
   const float* bias = w.bias.data_ptr<float>();
   const bool amx = has_amx();
-  const int64_t stripes = (n + kOutTile - 1) / kOutTile, step = amx ? tile_rows(m) : vector_rows(m);
+  const int64_t stripes = (n + kOutTile - 1) / kOutTile;
+  const int64_t step = amx ? tile_rows(m) : rows_per_pass(m, kRowTile);
   at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state

@@ -83,8 +83,8 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
         const __m512i low = _mm512_and_si512(packed, nibble);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
         for (int r = 0; r < R; ++r) {
-          dots[r][b] = _mm512_dpbusd_epi32(dots[r][b], low, low_quad[r]);
-          dots[r][b] = _mm512_dpbusd_epi32(dots[r][b], high, high_quad[r]);
+          dots[r][b] = dpbusd(dots[r][b], low, low_quad[r]);
+          dots[r][b] = dpbusd(dots[r][b], high, high_quad[r]);
         }
       }
     }

@@ -15,15 +15,21 @@
 // row broadcast to all lanes adds their products to 16 outputs at once, with no horizontal sums
 // (one row: 58 against 60 ms). Both sum in int32, exactly, so they give the same bits. A stripe
 // of kBlocks * 16 outputs stays in the L2 cache while every tile of input rows passes over it,
-// so the weight is read from memory once per call.
+// so the weight is read from memory once per call. With VNNI a block of up to 12 rows (a
+// verifier's 11) is one pass, 2 groups at a time, so the products keep pace with the stream
+// from memory instead of following it: on this project's AVX512-BF16 EPYC 11 rows against
+// 8960 x 1536 weights streamed from memory took 0.58-0.61 ms a layer against 0.67-0.68 with
+// passes of 4 rows, and one row 0.39-0.43 (benchmarks/kernel_cost.py).
 
 #include "linear.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "amx.h"
 
@@ -55,39 +61,58 @@ namespace {
 constexpr int64_t kLanes = 16;                // outputs per 64-byte packed group
 constexpr int kBlocks = 4;                    // packed groups of outputs per tile
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
-constexpr int kRowTile = 4;                   // input rows per pass over a tile (VNNI)
 constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padded to it)
-
-// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the kOutTile outputs of one tile (centred,
-// sum_k (u[r, k] - 128) w[j, k], where kCentredDots).
+// Input rows per pass over a stripe (kRowTile), and how many of its groups a pass of R rows
+// takes at a time (kGroupsAtOnce<R>). VNNI: up to 4 rows over all 4 groups (16 sums of 32
+// registers), 5 to 12 over 2 at a time (24 sums), so a block of 11 rows reads each weight byte
+// once, its products keeping pace with the stream from memory. AVX2: up to 4 rows over all 4
+// groups; their 8 R sums outgrow the 16 registers, yet a group at a time (no spills, but each
+// row's inputs prepared 4 times) ran slower held to AVX2 (11 rows: 1.48 and 1.61 ms a layer
+// against 1.32 and 1.26).
+#ifdef CACTUS_VNNI
+constexpr int kRowTile = 12;
 template <int R>
-void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[kOutTile]) {
+constexpr int kGroupsAtOnce = R <= 4 ? kBlocks : 2;
+constexpr int64_t kAhead = 512;  // bytes of each group prefetched ahead
+#else
+constexpr int kRowTile = 4;
+template <int R>
+constexpr int kGroupsAtOnce = kBlocks;
+#endif
+
+// dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the B groups of 16 outputs from group
+// `first` of one tile (centred, sum_k (u[r, k] - 128) w[j, k], where kCentredDots).
+template <int R, int B>
+void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
+                int32_t (*dots)[kOutTile]) {
   const int64_t quads = k4 / 4;
 #ifdef CACTUS_VNNI
-  __m512i acc[R][kBlocks];
+  __m512i acc[R][B];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_si512();
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
-    __m512i wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) {
-      wv[b] = _mm512_loadu_si512(tile + (b * quads + q) * 64);
+    __m512i wv[B];
+    for (int b = 0; b < B; ++b) {
+      const int8_t* at = tile + ((first + b) * quads + q) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T1);
+      wv[b] = _mm512_loadu_si512(at);
     }
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, u + r * k4 + q * 4, 4);
       const __m512i uv = _mm512_set1_epi32(four);
-      for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], uv, wv[b]);
+      for (int b = 0; b < B; ++b) acc[r][b] = dpbusd(acc[r][b], uv, wv[b]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < kBlocks; ++b) _mm512_storeu_si512(dots[r] + b * kLanes, acc[r][b]);
+    for (int b = 0; b < B; ++b) _mm512_storeu_si512(dots[r] + (first + b) * kLanes, acc[r][b]);
 #elif defined(CACTUS_AVX2)
   // Each 64-byte group is two halves of 8 outputs' 4 inputs. AVX-VNNI: vpdpbusd in 256 bits.
   // AVX2 alone: with s = u - 128 (int8), sum_k u w = sum_k s w + 128 sum_k w, and the pairs
   // s w are summed exactly in int16 by vpmaddubsw on |s| (<= 128, unsigned) against w carrying
   // s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd: the centred sums
   // the caller would otherwise form from sum_k u w.
-  constexpr int kHalves = 2 * kBlocks;
+  constexpr int kHalves = 2 * B;
   __m256i acc[R][kHalves];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < kHalves; ++h) acc[r][h] = _mm256_setzero_si256();
@@ -110,7 +135,7 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[
 #endif
     }
     for (int h = 0; h < kHalves; ++h) {
-      const auto* at = tile + ((h / 2) * quads + q) * 64 + (h % 2) * 32;
+      const auto* at = tile + ((first + h / 2) * quads + q) * 64 + (h % 2) * 32;
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
       for (int r = 0; r < R; ++r) {
 #ifdef CACTUS_AVX_VNNI
@@ -124,10 +149,10 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < kHalves; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots[r] + h * 8), acc[r][h]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots[r] + first * kLanes + h * 8), acc[r][h]);
 #else
   for (int r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < kOutTile; ++j) {
+    for (int64_t j = first * kLanes; j < (first + B) * kLanes; ++j) {
       const int8_t* group = tile + (j / kLanes) * quads * 64 + (j % kLanes) * 4;
       int32_t sum = 0;
       for (int64_t q = 0; q < quads; ++q) {
@@ -139,10 +164,23 @@ void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[
 #endif
 }
 
+// All the groups of a tile for R rows, kGroupsAtOnce<R> at a time.
+template <int R>
+void dot_tile(const uint8_t* u, int64_t k4, const int8_t* tile, int32_t (*dots)[kOutTile]) {
+  constexpr int B = kGroupsAtOnce<R>;
+  for (int first = 0; first < kBlocks; first += B) dot_groups<R, B>(u, k4, tile, first, dots);
+}
+
+using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t (*)[kOutTile]);
+
+template <std::size_t... I>
+constexpr std::array<Tile, sizeof...(I)> tile_kernels(std::index_sequence<I...>) {
+  return {dot_tile<static_cast<int>(I) + 1>...};
+}
+
 void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
               int32_t (*dots)[kOutTile]) {
-  using Tile = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t(*)[kOutTile]);
-  static constexpr Tile tiles[] = {dot_tile<1>, dot_tile<2>, dot_tile<3>, dot_tile<4>};
+  static constexpr auto tiles = tile_kernels(std::make_index_sequence<kRowTile>());
   tiles[rows - 1](u, k4, tile, dots);
 }
 
@@ -195,7 +233,7 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
   const float* b = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
   const int64_t stripes = (n + kOutTile - 1) / kOutTile;
   const bool amx = m > 1 && has_amx();  // one row: VNNI streams the weight faster
-  const int64_t step = amx ? tile_rows(m) : kRowTile;
+  const int64_t step = amx ? tile_rows(m) : rows_per_pass(m, kRowTile);
   at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
