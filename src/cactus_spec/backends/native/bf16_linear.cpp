@@ -45,7 +45,6 @@ constexpr int64_t kTileRows = 16;               // input rows per AMX tile at mo
 constexpr int kRowTile = 6;
 constexpr int64_t kAhead = 512;                 // bytes of each block prefetched ahead (AVX512)
 
-
 #ifdef CACTUS_AVX512_BF16
 // sums[r][j] = sum_k x[r, k] w[j, k] for R rows (k2 apart) and one stripe, in float32.
 template <int R>

@@ -63,12 +63,11 @@ constexpr int kBlocks = 4;                    // packed groups of outputs per ti
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
 constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padded to it)
 // Input rows per pass over a stripe (kRowTile), and how many of its groups a pass of R rows
-// takes at a time (kGroupsAtOnce<R>). VNNI: up to 4 rows over all 4 groups (16 sums of 32
-// registers), 5 to 12 over 2 at a time (24 sums), so a block of 11 rows reads each weight byte
-// once, its products keeping pace with the stream from memory. AVX2: up to 4 rows over all 4
-// groups; their 8 R sums outgrow the 16 registers, yet a group at a time (no spills, but each
-// row's inputs prepared 4 times) ran slower held to AVX2 (11 rows: 1.48 and 1.61 ms a layer
-// against 1.32 and 1.26).
+// takes at a time (kGroupsAtOnce<R>; see the header for why one pass). VNNI: up to 4 rows over
+// all 4 groups (16 sums of 32 registers), 5 to 12 over 2 at a time (24 sums). AVX2: up to 4
+// rows over all 4 groups; their 8 R sums outgrow the 16 registers, yet a group at a time (no
+// spills, but each row's inputs prepared 4 times) ran slower held to AVX2 (11 rows: 1.48 and
+// 1.61 ms a layer against 1.32 and 1.26).
 #ifdef CACTUS_VNNI
 constexpr int kRowTile = 12;
 template <int R>
