@@ -129,29 +129,30 @@ class ModelDrafter:
         self.vocab_size = vocab_size
         self.head = head  # [N] the ids a truncated head's logits stand for; None: all
         self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
-        self._seen: dict[int, int] = {}  # row -> context tokens its cache has read
         self._trees: dict[int, TokenTree] = {}  # row -> the draft tree its cache holds
 
     def reset(self, row: int | None = None) -> None:
         self.backend.reset(row)
         if row is None:
-            self._cached, self._seen, self._trees = {}, {}, {}
+            self._cached, self._trees = {}, {}
         else:
             self._cached.pop(row, None)
-            self._seen.pop(row, None)
             self._trees.pop(row, None)
 
     def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
         cached = self._cached.get(row, []) if reuse else []
         self._trees.pop(row, None)  # the rollback drops it from the cache
-        keep = min(common_prefix_length(cached, prompt), len(prompt) - 1)
+        keep = _kept(cached, prompt)
         self.backend.rollback(keep, row)
         self._cached[row] = list(prompt[:keep])
-        self._seen[row] = keep
         return keep
 
     def behind(self, row: int, context: Sequence[int]) -> int:
-        return len(context) - self._seen.get(row, 0)
+        """The tokens the row's next proposal feeds before it drafts: those of ``context``
+        after the prefix the row's cache holds (its own drafts that the context kept, a
+        pending tree's kept path included, are not read again)."""
+        held, _ = self._held(row, context)
+        return len(context) - _kept(held, context)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Each request's draft, shaped by its own ``branches``: the chains drafted together,
@@ -190,7 +191,6 @@ class ModelDrafter:
             active = [i for i in active if _drafts_more(requests[i], confidences[i])]
         drafts = []
         for request, drafted, drafted_rows in zip(requests, tokens, rows, strict=True):
-            self._seen[request.row] = len(request.context)
             if drafted:  # the cache holds the context and every draft but the last
                 self._cached[request.row] = list(request.context) + drafted[:-1]
             drafts.append(Draft(drafted, torch.cat(drafted_rows) if drafted_rows else None))
@@ -211,7 +211,6 @@ class ModelDrafter:
                 t.fed = len(t.tokens)  # every node so far: each depth is read whole
             self._read_nodes([(t, nodes) for t, nodes in fed if nodes])
         for t, r in zip(trees, requests, strict=True):
-            self._seen[r.row] = len(r.context)
             self._cached[r.row] = list(r.context)
             self._trees[r.row] = TokenTree(tuple(t.tokens[: t.fed]), tuple(t.parents[: t.fed]))
         return [t.draft() for t in trees]
@@ -241,28 +240,41 @@ class ModelDrafter:
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Roll the row's cache back to what it shares with the context; the tokens to feed."""
         cached = self._keep_tree_path(request)
-        keep = min(common_prefix_length(cached, request.context), len(request.context) - 1)
-        self.backend.rollback(keep, request.row)  # always feed at least one token
+        keep = _kept(cached, request.context)
+        self.backend.rollback(keep, request.row)
         self._cached[request.row] = list(request.context[:keep])
         return list(request.context[keep:])
 
     def _keep_tree_path(self, request: DraftRequest) -> list[int]:
         """The tokens the row's cache holds, after keeping the path of its draft tree (if it
         holds one) that the context continues with; the rest of the tree is dropped."""
-        cached = self._cached.get(request.row, [])
-        tree = self._trees.pop(request.row, None)
-        if tree is None:
-            return cached
+        held, path = self._held(request.row, request.context)
+        if self._trees.pop(request.row, None) is not None:
+            self.backend.commit_path(path, request.row)
+        return held
+
+    def _held(self, row: int, context: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The tokens the row's cache holds for ``context``: its cached tokens, then the nodes
+        of its pending draft tree (if any) that the context continues them with; and that
+        path of nodes."""
+        cached = self._cached.get(row, [])
+        tree = self._trees.get(row)
         path: list[int] = []
-        if common_prefix_length(cached, request.context) == len(cached):
-            for token in request.context[len(cached) :]:
-                kids = tree.children[path[-1] if path else ROOT]
-                match = [j for j in kids if tree.tokens[j] == token]
-                if not match:
-                    break
-                path.append(match[0])
-        self.backend.commit_path(path, request.row)
-        return [*cached, *(tree.tokens[j] for j in path)]
+        if tree is None or common_prefix_length(cached, context) < len(cached):
+            return cached, path
+        for token in context[len(cached) :]:
+            kids = tree.children[path[-1] if path else ROOT]
+            match = [j for j in kids if tree.tokens[j] == token]
+            if not match:
+                break
+            path.append(match[0])
+        return [*cached, *(tree.tokens[j] for j in path)], path
+
+
+def _kept(held: Sequence[int], context: Sequence[int]) -> int:
+    """The tokens of a cache holding ``held`` that a proposal after ``context`` keeps: their
+    common prefix, short of the context's last token (a proposal always feeds one)."""
+    return min(common_prefix_length(held, context), len(context) - 1)
 
 
 class _Growing:

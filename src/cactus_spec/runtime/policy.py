@@ -21,8 +21,9 @@ and costs
 where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj
 is its rate at depth j, read off the same history), R = sum_b w_b the rows of one draft
 step, t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens
-in all, and c L the model drafter's catch-up: L tokens it skipped (a new prompt, or
-what was emitted while K was 0; it reads them only when its row drafts again) at c seconds
+in all, and c L the model drafter's catch-up: L tokens it skipped beyond the steady lag (a
+new prompt, or what was emitted while K was 0; it reads them only when its row drafts
+again) at c seconds
 each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
 size, seeded by a short calibration). The policy drafts the K in 0..K_max that maximises
@@ -70,8 +71,6 @@ POLICIES = ("auto", "fixed")
 _EMA = 0.2
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
-#: A draft step this many times dearer than its estimate is a catch-up, not a step.
-_CATCH_UP_FACTOR = 3.0
 #: Drafting must promise this much more than plain decoding: the estimates err (costs timed
 #: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
 #: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
@@ -252,23 +251,23 @@ class SpeculationPolicy:
 
     def observe(self, timing: StepTiming) -> None:
         """Fold one iteration's measured costs and its drafts' outcomes into the tables.
-        Draft steps that cost more than ``_CATCH_UP_FACTOR`` times their estimate held the
-        drafters' catch-up on the tokens they had not read (a new prompt, what was emitted
-        while K was 0): their time beyond the estimate, per token caught up, is the
-        catch-up's cost per token."""
+        Draft steps whose drafters read no more than the steady lag are draft steps; those
+        that first caught up on more (a new prompt, what was emitted while K was 0) hold the
+        catch-up: their time beyond the steps' estimate, per token caught up, is its cost
+        per token. Told apart by the tokens read, not by the time: a catch-up folded into
+        the steps' table would raise the estimate that stops drafting, and with no drafting
+        no step would ever lower it again."""
         self._learn_confidences(timing)
         self.judged += timing.verified_tokens - timing.rows  # each row feeds one more token
         self.verify.observe(timing.verified_tokens, timing.verify_s)
         if not timing.draft_steps:
             return
-        expected = self.draft.estimate(timing.rows)
-        per_step = timing.draft_s / timing.draft_steps
-        if per_step <= _CATCH_UP_FACTOR * expected:
-            self.draft.observe(timing.rows, per_step)
-        elif timing.caught_up > _STEADY_LAG * timing.rows:  # not one slow steady step
-            excess = timing.draft_s - timing.draft_steps * expected
-            per_token = excess / timing.caught_up
-            self.catch_up_token_s += _EMA * (per_token - self.catch_up_token_s)
+        if timing.caught_up <= _STEADY_LAG * timing.rows:
+            self.draft.observe(timing.rows, timing.draft_s / timing.draft_steps)
+            return
+        excess = timing.draft_s - timing.draft_steps * self.draft.estimate(timing.rows)
+        per_token = max(0.0, excess) / timing.caught_up
+        self.catch_up_token_s += _EMA * (per_token - self.catch_up_token_s)
 
     def _learn_confidences(self, timing: StepTiming) -> None:
         """Count each verified draft (every one before it kept) in its confidence's bin."""
