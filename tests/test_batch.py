@@ -212,18 +212,24 @@ def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:
     assert clear.choose([g], [0]) == [1]
 
 
+def one_row_drafted(steps: int, seconds: float, caught_up: int) -> StepTiming:
+    """One row's iteration: ``steps`` draft steps in ``seconds`` after its drafter read
+    ``caught_up`` tokens, then a verification."""
+    return StepTiming(
+        rows=1,
+        draft_steps=steps,
+        draft_s=seconds,
+        verified_tokens=steps + 1,
+        verify_s=0.05,
+        emitted=3,
+        caught_up=caught_up,
+    )
+
+
 def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> None:
     policy = policy_with(0.002, {1: 0.050, 9: 0.052})
     policy.catch_up_token_s = 0.0001  # what a calibration guessed
-    steady = StepTiming(
-        rows=1,
-        draft_steps=4,
-        draft_s=0.008,
-        verified_tokens=5,
-        verify_s=0.05,
-        emitted=3,
-        caught_up=2,
-    )
+    steady = one_row_drafted(steps=4, seconds=0.008, caught_up=2)
     policy.observe(steady)
     assert policy.catch_up_token_s == 0.0001  # a steady step says nothing about catch-ups
     # 4 steps of 2 ms and 100 tokens read at 1 ms each
@@ -241,15 +247,7 @@ def test_a_catch_up_never_raises_the_draft_steps_estimate() -> None:
     lower it. Told apart by the tokens read, they teach the catch-up's cost and leave the
     steps' estimate; the negative control: steady steps at that cost do move it."""
     policy = policy_with(0.015, {1: 0.035, 11: 0.088})
-    caught_up = StepTiming(
-        rows=1,
-        draft_steps=3,
-        draft_s=0.066,
-        verified_tokens=4,
-        verify_s=0.045,
-        emitted=3,
-        caught_up=9,
-    )
+    caught_up = one_row_drafted(steps=3, seconds=0.066, caught_up=9)
     for _ in range(40):
         policy.observe(caught_up)
     assert policy.draft.estimate(1) == pytest.approx(0.015)
