@@ -1,7 +1,7 @@
 """What one int8 or int4 product costs at the kernel: ``int8_linear`` (or ``int4_linear``,
 --kind int4) of R rows against an N x K weight, over enough copies of the weight (--layers)
 that they stream from memory as a model's layers do rather than sit in the L3 cache, median
-ms a layer and the bytes of weight (codes and scales) read a second, beside the rate at
+ms a layer and the bytes of weight (codes, scales, sums, bias) read a second, beside the rate at
 which this machine reads memory at all (torch's sum over 512 MB, same threads): the
 kernel's GB/s against the machine's.
 
@@ -48,7 +48,8 @@ def int4_layers(n: int, k: int, count: int, g: torch.Generator) -> list[tuple]:
 
 
 def weight_bytes(weights: tuple) -> int:
-    """The bytes a product reads of one packed weight (its codes and scales)."""
+    """The bytes a product reads of one packed weight (every tensor it is given: codes,
+    scales, code sums or bias)."""
     return sum(t.numel() * t.element_size() for t in weights if t is not None)
 
 

@@ -50,6 +50,12 @@ def test_the_free_row_holding_the_longest_prefix_is_chosen() -> None:
     assert cache.held(2, 10) == [1, 2, 3, 4, 5, 6]  # drafts past the context are not known
     assert PrefixCache(enabled=False).choose([1, 2, 3], [3, 2], [6, 6]) == 3
     assert common_prefix_length([1, 2, 3], [1, 2]) == 2
+    long = list(range(1000))
+    for cut in (0, 255, 256, 257, 999):  # a difference at, before and after a chunk's edge
+        other = [*long[:cut], -1, *long[cut + 1 :]]
+        assert common_prefix_length(long, other) == cut
+        assert common_prefix_length(long, tuple(other)) == cut  # types differ: token by token
+    assert common_prefix_length(long, long[:700]) == 700
 
 
 def test_logits_after_a_reused_prefix_equal_a_fresh_prefill() -> None:
