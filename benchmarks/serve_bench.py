@@ -19,7 +19,11 @@ models' after SpS): ``--server-args=--no-prefix-cache`` compares them on unread 
 Then ``--chats`` two-turn conversations at once, the second turn resending the history: the
 TTFT of each turn (prefix caching reads only the second turn's new tokens).
 ``--server-args`` passes more flags to the server and ``--label``
-names the run, so runs of other code or flags keep their own lines.
+names the run, so runs of other code or flags keep their own lines. ``--rounds R`` measures
+every configuration R times, the methods alternating at each concurrency within a round,
+and reports each method's ratio to AR in the same round, median [min, max]: a machine whose
+speed drifts over minutes (runs minutes apart differing by up to 1.45x) biases whichever
+configuration ran in its slow spell, and only ratios taken side by side cancel it.
 
 Each configuration appends one line to ``results.jsonl`` as it finishes; a rerun skips those
 done. ``summary.md`` and ``tokens_per_s.png`` are rewritten from the whole file.
@@ -32,6 +36,7 @@ import contextlib
 import itertools
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -186,6 +191,33 @@ def summarise(results: list[dict], wall: float) -> dict:
     }
 
 
+def merge_rounds(rows: list[dict], ar: dict[tuple[int, int], float]) -> list[dict]:
+    """One row per method and concurrency: each figure's median over the rounds, and
+    ``vs_ar``, the ratios to AR's tokens/s in the same round."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["concurrency"]), []).append(r)
+    merged = []
+    for (method, c), runs in groups.items():
+        row = {"method": method, "concurrency": c, "rounds": len(runs)}
+        for key in runs[0]:
+            values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+            if values and key not in row:
+                row[key] = statistics.median(values)
+        row.setdefault("acceptance", None)
+        pairs = [(r["tokens_per_s"], ar.get((c, r.get("round", 0)))) for r in runs]
+        row["vs_ar"] = [mine / theirs for mine, theirs in pairs if theirs]
+        merged.append(row)
+    return merged
+
+
+def _spread(ratios: list[float]) -> str:
+    """``1.02x`` for one ratio, ``median [min, max]`` for several."""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -202,7 +234,12 @@ def read_done(path: Path) -> list[dict]:
 def write_summary(out: Path, rows: list[dict], settings: dict) -> None:
     chats = [r for r in rows if r["method"] == "chat"]
     rows = [r for r in rows if r["method"] != "chat"]
-    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    ar = {
+        (r["concurrency"], r.get("round", 0)): r["tokens_per_s"]
+        for r in rows
+        if r["method"] == "ar"
+    }
+    rows = merge_rounds(rows, ar)
     one = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     lines = [
         f"Serving benchmark: {settings}",
@@ -213,7 +250,7 @@ def write_summary(out: Path, rows: list[dict], settings: dict) -> None:
     ]
     for r in sorted(rows, key=lambda r: (list(METHODS).index(r["method"]), r["concurrency"])):
         c = r["concurrency"]
-        vs_ar = f"{r['tokens_per_s'] / ar[c]:.2f}x" if c in ar else "-"
+        vs_ar = _spread(r["vs_ar"]) if r["vs_ar"] else "-"
         vs_one = f"{r['tokens_per_s'] / one[r['method']]:.2f}x" if r["method"] in one else "-"
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         gaps = (
@@ -308,6 +345,9 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=4, help="two-turn chats at once (0: none)")
     parser.add_argument("--server-args", default="", help="more flags for cactus-spec serve")
     parser.add_argument("--label", default="", help="names this run's code and flags")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="times each configuration is measured, alternating"
+    )
     parser.add_argument("--out", default="bench-out/serve")
     args = parser.parse_args()
     methods = args.methods.split(",")
@@ -327,37 +367,43 @@ def main() -> None:
         "server_args": args.server_args,
         "label": args.label,
     }
-    done = read_done(results)
+    if args.rounds < 1:
+        parser.error(f"--rounds: {args.rounds} is not a positive count")
+    done = {
+        (r["method"], r["concurrency"], r.get("round", 0))
+        for r in read_done(results)
+        if r["settings"] == settings
+    }
     todo = [
-        (m, c)
-        for m in methods
+        (m, c, k)
+        for k in range(args.rounds)
         for c in levels
-        if not any(
-            r["method"] == m and r["concurrency"] == c and r["settings"] == settings for r in done
-        )
+        for m in methods
+        if (m, c, k) not in done
     ]
     *prompts, spare = [
         item.prompt for item in humaneval_items(REQUESTS_PER_CLIENT * max(levels) + 1)
     ]
     with served(args, max(levels), out / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
-        for method in dict.fromkeys(m for m, _ in todo):  # warm-up: a whole answer each
+        for method in dict.fromkeys(m for m, _, _ in todo):  # warm-up: a whole answer each
             one_request(client, "bench", spare, METHODS[method], args.max_tokens, 0)
-        for method, concurrency in todo:
+        for method, concurrency, k in todo:
             row = run_config(
                 client, "bench", prompts, METHODS[method], concurrency, args.max_tokens
             )
-            row = {"method": method, "concurrency": concurrency, "settings": settings, **row}
+            row = {
+                "method": method, "concurrency": concurrency, "round": k,
+                "settings": settings, **row,
+            }  # fmt: skip
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
-                f"{method:>18} c={concurrency:>2}: {row['tokens_per_s']:6.1f} tok/s, "
-                f"mean K {row['mean_k']:.1f}",
+                f"{method:>18} c={concurrency:>2} round {k}: {row['tokens_per_s']:6.1f} "
+                f"tok/s, mean K {row['mean_k']:.1f}",
                 flush=True,
             )
-        if args.chats and not any(
-            r["method"] == "chat" and r["settings"] == settings for r in done
-        ):
+        if args.chats and ("chat", args.chats, 0) not in done:
             row = run_chats(client, "bench", prompts, args.chats, args.max_tokens)
             row = {"method": "chat", "concurrency": args.chats, "settings": settings, **row}
             with results.open("a") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from conftest import make_tiny_lm, spec_of
@@ -32,10 +33,13 @@ class Recorded(SpeculativeDecoder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.log: list[tuple[str, object]] = []
+        self.while_reading: list[Callable[[], None]] = []  # each called once, in a prefill
 
     def prefill(self, generations, budget=None):
         read = super().prefill(generations, budget)
         self.log.append(("prefill", read))
+        while self.while_reading:
+            self.while_reading.pop()()
         return read
 
     def step(self, generations, num_draft_tokens):
@@ -52,10 +56,13 @@ SHORT_BUDGET, LONG_BUDGET = 40, 8
 
 
 def serve_two(
-    prefill_chunk: int | None, policy: SpeculationPolicy | None = None
+    prefill_chunk: int | None,
+    policy: SpeculationPolicy | None = None,
+    long_arrives_while_short_is_read: bool = False,
 ) -> tuple[Recorded, dict[str, list[int]]]:
     """SHORT decoding (EOS ignored, so it runs its budget), then LONG arriving once SHORT has
-    stepped; their new tokens. With ``policy``, both leave K to it."""
+    stepped (or while SHORT's prompt is read); their new tokens. With ``policy``, both leave
+    K to it."""
     d = engine(Recorded)
     spec = d.spec if policy is None else spec_of(SpS(), None)
     out: dict[str, list[int]] = {}
@@ -80,20 +87,22 @@ def serve_two(
         on_done=finish("short"),
         ignore_eos=True,
     )
-    scheduler.submit(short)
-    deadline = time.monotonic() + 30
-    while not any(kind == "step" for kind, _ in d.log) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    scheduler.submit(
-        Request(
-            prompt_ids=LONG,
-            max_new_tokens=LONG_BUDGET,
-            sampling=SAMPLING,
-            seed=1,
-            spec=spec,
-            on_done=finish("long"),
-        )
+    long = Request(
+        prompt_ids=LONG,
+        max_new_tokens=LONG_BUDGET,
+        sampling=SAMPLING,
+        seed=1,
+        spec=spec,
+        on_done=finish("long"),
     )
+    if long_arrives_while_short_is_read:
+        d.while_reading.append(lambda: scheduler.submit(long))
+    scheduler.submit(short)
+    if not long_arrives_while_short_is_read:
+        deadline = time.monotonic() + 30
+        while not any(kind == "step" for kind, _ in d.log) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        scheduler.submit(long)
     assert done.wait(60)
     scheduler.stop()
     return d, out
@@ -154,6 +163,24 @@ def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
     first_read = next(i for i, (kind, _) in enumerate(d.log[1:], 1) if kind == "prefill")
     steps_before = sum(kind == "step" for kind, _ in d.log[:first_read])
     assert asked[steps_before] == [0, 1]  # SHORT steps, LONG reads: both count
+    assert asked[0] == [0]  # negative control: LONG came after SHORT's first step
+
+
+def test_a_request_arriving_while_a_prompt_is_read_joins_the_batch_the_policy_sees() -> None:
+    """LONG arrives while SHORT's prompt is read (alone, nothing decodes yet): SHORT's first
+    K is chosen for both rows, not for a lone stream; and both decode what they decode
+    alone."""
+    asked: list[list[int]] = []
+
+    class Recording(SpeculationPolicy):
+        def choose(self, generations, behind):
+            asked.append([g.row for g in generations])
+            return super().choose(generations, behind)
+
+    d, out = serve_two(prefill_chunk=16, policy=Recording(3), long_arrives_while_short_is_read=True)
+    assert asked[0] == [0, 1]
+    assert d.log[0] == ("prefill", len(SHORT) - 1) and d.log[1] == ("step", [0])
+    assert out["long"] == alone(LONG, LONG_BUDGET)
 
 
 def test_long_rows_of_similar_lengths_share_a_forward() -> None:

@@ -11,10 +11,14 @@ Each turn of its loop it admits waiting requests into free rows (each into the f
 holds the longest prefix of its prompt: prefix caching), drops cancelled ones, reads up to
 ``prefill_chunk`` prompt tokens per token each row verified in the last iteration, of the
 rows still reading their prompts (oldest first, in one batched forward where padding allows;
-everything at once when no row is decoding: chunked prefill), asks the policy for K, runs
-one stepper iteration over every row that has read its prompt, and hands finished
-generations back. So a long prompt arriving costs each running row at most one chunk's
-forward per iteration, not the whole prompt's. A bounded queue gives backpressure:
+everything at once when no row is decoding: chunked prefill), admits what arrived
+meanwhile, asks the policy for K, runs one stepper iteration over every row that has read
+its prompt, and hands finished generations back. So a long prompt arriving costs each
+running row at most one chunk's forward per iteration, not the whole prompt's; and requests
+sent together are one batch to the policy: the first one, read alone while the others
+arrive, would otherwise look like a lone stream worth drafting for, and its drafter would
+read its prompt and draft while the others wait (about 0.6 s a burst on a 2-core EPYC,
+``benchmarks/REPORT.md``). A bounded queue gives backpressure:
 ``submit`` raises ``QueueFullError`` when it is full.
 
 Callbacks (``on_text``, ``on_done``, ``on_error``) run on the scheduler's thread: they must
@@ -197,8 +201,7 @@ class Scheduler(Generic[Engine]):
     def _turn(self, admitted: list[tuple[Request, Generation]]) -> None:
         """Take in what joined, drop what was cancelled, read a chunk of the prompts still
         being read, run one iteration over the rest, finish what ended."""
-        if admitted:  # rows in order, so that a batch of neighbouring rows is a view
-            self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
+        self._join(admitted)
         cancelled = []
         if self._cancelled:  # rarely: no lock or set work on the decode loop's common turn
             with self._wake:  # what ended before its cancel came is forgotten
@@ -214,6 +217,9 @@ class Scheduler(Generic[Engine]):
             generations = [g for _, g in self._active if not g.reading]
         if not generations:
             return
+        if self._waiting:  # what arrived meanwhile joins the batch the policy chooses for
+            with self._wake:
+                self._join(self._admit())
         joining = [g for _, g in self._active if g.reading]
         ks = self._num_draft_tokens(generations, joining)
         timing = self.engine.step(generations, ks)
@@ -227,6 +233,12 @@ class Scheduler(Generic[Engine]):
                 self._finish(request, g)
             else:
                 self._fail(request, g)
+
+    def _join(self, admitted: list[tuple[Request, Generation]]) -> None:
+        """Add admitted requests to the active rows, in row order (so that a batch of
+        neighbouring rows is a view)."""
+        if admitted:
+            self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
 
     def _prefill_budget(self) -> int | None:
         """Prompt tokens to read this turn: ``prefill_chunk`` per token each row verified in
