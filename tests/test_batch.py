@@ -15,7 +15,12 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Generation, Request
-from cactus_spec.runtime.policy import CostTable, SpeculationPolicy, expected_tokens
+from cactus_spec.runtime.policy import (
+    CostTable,
+    SpeculationPolicy,
+    calibrated_policy,
+    expected_tokens,
+)
 from cactus_spec.runtime.stepper import StepTiming
 
 #: (prompt, seed, sampling, rule, K): every row differs from its neighbours.
@@ -110,6 +115,33 @@ def test_a_row_joins_a_batch_midway_and_still_gives_its_own_tokens() -> None:
         d.step(active, fixed_ks(active))
     assert first.new_ids == alone(0)
     assert second.new_ids == alone(1)
+
+
+class Asked:
+    """A drafter that records every proposal it is asked for, then proposes as ``inner``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.backend, self.asked = inner, inner.backend, []
+
+    def propose(self, requests):
+        self.asked.append([(r.row, r.num_draft_tokens, r.sampling) for r in requests])
+        return self.inner.propose(requests)
+
+    def reset(self, row=None) -> None:
+        self.inner.reset(row)
+
+
+def test_a_calibration_times_the_draft_steps_through_the_drafter() -> None:
+    """The draft steps are timed as the stepper runs them, through the drafter at the
+    default sampling, for 1..slots rows (a bare forward leaves out the lag's read and the
+    sampling: a third of a step at 8 rows of the default draft)."""
+    d = decoder(3)
+    drafter = Asked(d._drafter)  # white-box: the engine's own drafter, recorded
+    policy = calibrated_policy(d._backend, drafter, max_draft_tokens=4)
+    timed = [ask for ask in drafter.asked if ask[0][1] > 1]
+    assert sorted({len(ask) for ask in timed}) == policy.draft.sizes == [1, 2, 3]
+    assert all(a == (row, 3, SamplingConfig()) for ask in timed for row, a in enumerate(ask))
+    assert policy.catch_up_token_s > 0
 
 
 def test_the_transformers_backend_refuses_a_batch() -> None:

@@ -26,7 +26,8 @@ new prompt, or what was emitted while K was 0; it reads them only when its row d
 again) at c seconds
 each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
-size, seeded by a short calibration). The policy drafts the K in 0..K_max that maximises
+size, seeded by a short calibration that times t_draft through the drafter, as the
+stepper runs it). The policy drafts the K in 0..K_max that maximises
 E(K) / T(K), and drafts at all only when that is at least ``_MARGIN`` above K = 0, plain
 decoding (E = B, T = t_verify(B)): so it never picks a K it predicts to be slower than plain
 decoding, nor one within its own error of it. At high concurrency, where a verifier forward
@@ -59,8 +60,11 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from cactus_spec.backends.base import Backend
-from cactus_spec.runtime.drafters import Drafter
+from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.runtime.drafters import Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.stepper import StepTiming
 
@@ -332,34 +336,56 @@ def calibrated_policy(
     verifier: Backend, drafter: Drafter | None, max_draft_tokens: int
 ) -> SpeculationPolicy:
     """A policy whose cost tables are seeded by timing ``verifier`` (forwards of 1 to
-    slots x (K_max + 1) tokens spread over up to ``slots`` rows) and, for a model drafter,
-    one draft step over 1 to ``slots`` rows, each row after a context of ``_CONTEXT`` tokens.
-    Leaves the caches empty."""
+    slots x (K_max + 1) tokens spread over up to ``slots`` rows, each row after a context of
+    ``_CONTEXT`` tokens) and, for a model drafter, its draft steps over 1 to ``slots`` rows
+    (``_timed_steps``) and its reading of skipped tokens. Leaves the caches empty."""
     policy = SpeculationPolicy(max_draft_tokens)
     slots = verifier.slots
+    verifier.append_ragged([[0] * _CONTEXT] * slots, list(range(slots)), last_only=True)
     draft_backend = drafter.backend if drafter is not None else None
-    backends = [verifier] + ([draft_backend] if draft_backend else [])
-    for backend in backends:  # every row holds a context, once
-        backend.append_ragged([[0] * _CONTEXT] * slots, list(range(slots)), last_only=True)
 
     def verify_forward(tokens: int) -> float:
         return _timed_spread(verifier, tokens, slots)
 
     def draft_step(rows: int) -> float:
-        assert draft_backend is not None  # timed only with a draft model
-        return _timed_spread(draft_backend, rows, rows)
+        assert drafter is not None  # timed only with a draft model
+        return _timed_steps(drafter, rows)
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
-    if draft_backend is not None:
+    verifier.reset()
+    if drafter is not None and draft_backend is not None:
+        drafter.reset()
+        draft_backend.append_ragged([[0] * _CONTEXT], [0], last_only=True)
         read = _least_of_three(lambda tokens: _timed_spread(draft_backend, tokens, 1), _CONTEXT)
         policy.catch_up_token_s = read / _CONTEXT
-    for backend in backends:
-        backend.reset()
+        drafter.reset()
     return policy
 
 
 #: Tokens in each row's cache while a calibration forward is timed.
 _CONTEXT = 64
+#: Draft steps of a timed calibration proposal.
+_CALIBRATION_STEPS = 3
+
+
+def _timed_steps(drafter: Drafter, rows: int) -> float:
+    """Seconds a draft step costs the stepper over ``rows`` rows: one proposal of
+    ``_CALIBRATION_STEPS`` drafts each at the default sampling, every row's drafter the
+    steady lag behind a context of ``_CONTEXT`` tokens, over the steps; so the lag's read,
+    the forwards and the sampling, what an iteration's steps cost (8 rows of the default
+    draft: a forward alone 30 ms, a step 40-65 ms, ``benchmarks/REPORT.md``)."""
+    prefix, tail = [0] * _CONTEXT, [1] * _STEADY_LAG
+    sampling, generator = SamplingConfig(), torch.Generator().manual_seed(0)
+
+    def asks(context: list[int], steps: int) -> list[DraftRequest]:
+        return [DraftRequest(row, context, steps, sampling, generator) for row in range(rows)]
+
+    drafter.propose(asks(prefix, 1))  # untimed: each row's drafter then holds the prefix
+    start = time.perf_counter()
+    drafter.propose(asks(prefix + tail, _CALIBRATION_STEPS))
+    if drafter.backend is not None:
+        drafter.backend.synchronize()
+    return (time.perf_counter() - start) / _CALIBRATION_STEPS
 
 
 def _timed_spread(backend: Backend, tokens: int, rows: int) -> float:
