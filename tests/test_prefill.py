@@ -78,23 +78,12 @@ def serve_two(
 
     scheduler = Scheduler(d, max_queue=4, policy=policy, prefill_chunk=prefill_chunk)
     scheduler.start()
+    common = {"sampling": SAMPLING, "seed": 1, "spec": spec}
     short = Request(
-        prompt_ids=SHORT,
-        max_new_tokens=SHORT_BUDGET,
-        sampling=SAMPLING,
-        seed=1,
-        spec=spec,
-        on_done=finish("short"),
-        ignore_eos=True,
-    )
-    long = Request(
-        prompt_ids=LONG,
-        max_new_tokens=LONG_BUDGET,
-        sampling=SAMPLING,
-        seed=1,
-        spec=spec,
-        on_done=finish("long"),
-    )
+        prompt_ids=SHORT, max_new_tokens=SHORT_BUDGET, on_done=finish("short"), ignore_eos=True,
+        **common,
+    )  # fmt: skip
+    long = Request(prompt_ids=LONG, max_new_tokens=LONG_BUDGET, on_done=finish("long"), **common)
     if long_arrives_while_short_is_read:
         d.while_reading.append(lambda: scheduler.submit(long))
     scheduler.submit(short)
