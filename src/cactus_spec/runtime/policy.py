@@ -353,7 +353,8 @@ def calibrated_policy(
 
     policy.calibrate(verify_forward, draft_step if draft_backend else None, slots)
     verifier.reset()
-    if drafter is not None and draft_backend is not None:
+    if draft_backend is not None:
+        assert drafter is not None  # a draft backend is a drafter's
         drafter.reset()
         draft_backend.append_ragged([[0] * _CONTEXT], [0], last_only=True)
         read = _least_of_three(lambda tokens: _timed_spread(draft_backend, tokens, 1), _CONTEXT)
