@@ -109,9 +109,7 @@ def _summary(measured: dict[int, list[Trace]]) -> None:
 
 
 def _table(table: CostTable) -> str:
-    return ", ".join(
-        f"{n}: {1000 * s:.1f}" for n, s in zip(table.sizes, table.seconds, strict=True)
-    )
+    return ", ".join(f"{n}: {1000 * table.estimate(n):.1f}" for n in table.sizes)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the policy's K (a reque
 seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
 draft length). The first ``--n`` HumanEval prompts as
 chat messages, 128 new tokens, temperature 0.6, top-k 20, top-p 0.95, each prompt sent to
-every row in turn (rows interleaved), timed from request to last byte. Each answer appends
+every row in turn (rows interleaved), timed from request to last byte. Every server reads
+every prompt whole: our server runs with ``--no-prefix-cache`` (its one row would otherwise
+still hold the prompt the row before read, and only the first of our rows would pay the
+prefill) and llama.cpp's requests ask ``cache_prompt: false``. Each answer appends
 a line to ``OUT/results.jsonl`` (a rerun skips what is there); ``OUT/summary.md`` gives per
 row the median tokens/s and the per-prompt ratio against llama.cpp plain, median [min, max].
 Run on a quiet machine.
@@ -123,7 +126,7 @@ def ours(args, log: Path) -> Iterator[str]:
     cli = Path(sys.executable).with_name("cactus-spec")
     command = [str(cli), "serve", "--port", str(port), "--max-batch", "1", "--threads", "2",
                "--served-model-name", "model", "--verifier-quant", args.verifier_quant,
-               *args.server_args.split()]  # fmt: skip
+               "--no-prefix-cache", *args.server_args.split()]  # fmt: skip
     yield from _served(command, env, port, log)
 
 
@@ -167,6 +170,8 @@ def ask(url: str, row: str, messages: list[dict], index: int, args) -> dict:
     seeded = not extra.pop("unseeded", False)
     body = {"model": "model", "messages": messages, "max_tokens": args.max_tokens, **SAMPLING}
     body |= extra | ({"seed": index} if seeded else {})
+    if row in LLAMA:
+        body["cache_prompt"] = False  # as ours: each prompt read whole (the module docstring)
     request = urllib.request.Request(
         f"{url}/v1/chat/completions",
         json.dumps(body).encode(),

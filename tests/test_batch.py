@@ -17,6 +17,7 @@ from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Generation, Request
 from cactus_spec.runtime.policy import (
     CostTable,
+    Pace,
     SpeculationPolicy,
     calibrated_policy,
     expected_tokens,
@@ -244,15 +245,17 @@ def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:
     assert clear.choose([g], [0]) == [1]
 
 
-def one_row_drafted(steps: int, seconds: float, caught_up: int) -> StepTiming:
+def one_row_drafted(
+    policy: SpeculationPolicy, steps: int, seconds: float, caught_up: int
+) -> StepTiming:
     """One row's iteration: ``steps`` draft steps in ``seconds`` after its drafter read
-    ``caught_up`` tokens, then a verification."""
+    ``caught_up`` tokens, then a verification that took what ``policy`` expects of it."""
     return StepTiming(
         rows=1,
         draft_steps=steps,
         draft_s=seconds,
         verified_tokens=steps + 1,
-        verify_s=0.05,
+        verify_s=policy.verify.estimate(steps + 1),
         emitted=3,
         caught_up=caught_up,
     )
@@ -261,7 +264,7 @@ def one_row_drafted(steps: int, seconds: float, caught_up: int) -> StepTiming:
 def test_the_policy_learns_the_catch_ups_cost_from_the_steps_that_held_one() -> None:
     policy = policy_with(0.002, {1: 0.050, 9: 0.052})
     policy.catch_up_token_s = 0.0001  # what a calibration guessed
-    steady = one_row_drafted(steps=4, seconds=0.008, caught_up=2)
+    steady = one_row_drafted(policy, steps=4, seconds=0.008, caught_up=2)
     policy.observe(steady)
     assert policy.catch_up_token_s == 0.0001  # a steady step says nothing about catch-ups
     # 4 steps of 2 ms and 100 tokens read at 1 ms each
@@ -279,7 +282,7 @@ def test_a_catch_up_never_raises_the_draft_steps_estimate() -> None:
     lower it. Told apart by the tokens read, they teach the catch-up's cost and leave the
     steps' estimate; the negative control: steady steps at that cost do move it."""
     policy = policy_with(0.015, {1: 0.035, 11: 0.088})
-    caught_up = one_row_drafted(steps=3, seconds=0.066, caught_up=9)
+    caught_up = one_row_drafted(policy, steps=3, seconds=0.066, caught_up=9)
     for _ in range(40):
         policy.observe(caught_up)
     assert policy.draft.estimate(1) == pytest.approx(0.015)
@@ -288,6 +291,69 @@ def test_a_catch_up_never_raises_the_draft_steps_estimate() -> None:
     for _ in range(40):
         policy.observe(steady)
     assert policy.draft.estimate(1) == pytest.approx(0.022, rel=0.01)
+
+
+def an_iteration(k: int, speed: float) -> StepTiming:
+    """One row's iteration of K drafts on a machine ``speed`` times slower than its fast
+    state, where a draft step costs 15 ms and a verifier forward of n tokens 40 + 10 n."""
+    return StepTiming(
+        rows=1,
+        draft_steps=k,
+        draft_s=k * 0.015 * speed,
+        verified_tokens=k + 1,
+        verify_s=(0.040 + 0.010 * (k + 1)) * speed,
+        emitted=k + 1,
+        caught_up=2 if k else 0,
+    )
+
+
+def timed_at(speed: float) -> SpeculationPolicy:
+    """A policy whose costs were all measured at ``speed`` (0.8 kept per position): at any
+    one speed K = 2 yields 2.44 tokens in 2.5 plain steps, 1.22x plain decoding."""
+    verify = {n: (0.040 + 0.010 * n) * speed for n in (1, 2, 4, 8, 16)}
+    return policy_with(0.015 * speed, verify)
+
+
+@pytest.mark.parametrize("follows_the_pace", [True, False])
+def test_the_policy_weighs_costs_timed_at_one_speed_against_the_others(
+    follows_the_pace: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine turns 1.45x faster while the policy decodes plainly (the EPYC's two
+    speeds), then 1.45x slower while it drafts K = 1. Read against one pace, the drafting
+    timed in the other state still shows its gain (K = 1 or 2, 1.20x and 1.22x plain
+    decoding) and the stale costs read as they would be measured now; tables that took each
+    size's reading alone (the negative control) weigh a plain step of one state against
+    draft steps of the other and choose 0 both times."""
+    if not follows_the_pace:
+        monkeypatch.setattr(Pace, "follow", lambda *_: None)
+    g = generation(decoder(1), [1, 2, 3], spec_of(Cactus(1.0), None))
+    policy = timed_at(1.45)
+    assert policy.choose([g], [0]) == [2]
+    for _ in range(50):
+        policy.observe(an_iteration(0, speed=1.0))
+    (k,) = policy.choose([g], [0])
+    assert k > 0 if follows_the_pace else k == 0
+    if follows_the_pace:  # a draft step read at the pace of the plain steps
+        assert policy.draft.estimate(1) == pytest.approx(0.015, rel=0.05)
+    policy = timed_at(1.0)
+    for _ in range(50):
+        policy.observe(an_iteration(1, speed=1.45))
+    (k,) = policy.choose([g], [0])
+    assert k > 0 if follows_the_pace else k == 0
+    if follows_the_pace:  # a plain step read at the pace of the drafting
+        assert policy.verify.estimate(1) == pytest.approx(0.050 * 1.45, rel=0.05)
+
+
+def test_each_size_still_learns_its_own_cost_beside_the_pace() -> None:
+    """Plain steps and K = 2 iterations alternate at one speed, the 3-token block 30%
+    dearer than the calibration said: the pace takes what the two share, and the block's
+    entry learns the rest, to within 3% of the ratio measured."""
+    policy = timed_at(1.0)
+    for _ in range(200):
+        policy.observe(an_iteration(0, speed=1.0))
+        policy.observe(dataclasses.replace(an_iteration(2, speed=1.0), verify_s=0.091))
+    ratio = policy.verify.estimate(3) / policy.verify.estimate(1)
+    assert ratio == pytest.approx(0.091 / 0.050, rel=0.03)
 
 
 def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:

@@ -27,7 +27,8 @@ again) at c seconds
 each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
 are read off ``CostTable``s that every iteration updates (an exponential moving average per
 size, seeded by a short calibration that times t_draft through the drafter, as the
-stepper runs it). The policy drafts the K in 0..K_max that maximises
+stepper runs it), held relative to the machine's pace (below). The policy drafts the K in
+0..K_max that maximises
 E(K) / T(K), and drafts at all only when that is at least ``_MARGIN`` above K = 0, plain
 decoding (E = B, T = t_verify(B)): so it never picks a K it predicts to be slower than plain
 decoding, nor one within its own error of it. At high concurrency, where a verifier forward
@@ -46,6 +47,18 @@ t_draft + t_verify(j + 2) - t_verify(j + 1) seconds, and is drawn only when that
 E_j / T_j. The draft's probabilities come from the draft alone, so the
 stop never looks at the verifier: every rule keeps its law. A draft tree is grown to the K
 chosen, without that stop.
+
+A machine's speed changes under the policy: thermal limits and turbo on a laptop, other
+tenants' memory traffic on a shared host (the EPYC of ``benchmarks/REPORT.md`` flips between
+two speeds 1.45x apart every 10-40 s). An iteration measures only the sizes it runs, so
+without a common scale the plain step timed in one state is weighed against draft steps and
+blocks timed in the other: a 1.2x gain reads as a loss, and a policy that drafts nothing
+measures no drafting to correct it. So the costs are read against a ``Pace`` p: every
+verifier forward moves log p by ``_PACE`` times the log of its surprise (measured over
+estimated seconds), every measurement is stored divided by p and read multiplied by it,
+and what p leaves of a surprise is what its size's entry learns (a size read for the first
+time takes its shape from the sizes around it: its whole surprise moves p). All costs scale with p
+together, so the K chosen depends on their ratios alone, which p's noise leaves unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, rows that leave K open draft K_max, to the end. A policy that drafted only where its
@@ -73,6 +86,10 @@ from cactus_spec.runtime.stepper import StepTiming
 POLICIES = ("auto", "fixed")
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
+#: Share of a verifier forward's surprise (log of measured over estimated seconds) taken as
+#: a change of the machine's pace: 0.8 puts 95% of a lasting change of speed in the pace
+#: (0.8 / (0.8 + 0.2 * _EMA)) and lets an entry learn its own size's cost at 4% a reading.
+_PACE = 0.8
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
 #: Drafting must promise this much more than plain decoding: the estimates err (costs timed
@@ -89,16 +106,31 @@ _PRIOR_POSITIONS = 4.0
 _CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
 
 
-class CostTable:
-    """Seconds by size (rows or tokens), interpolated linearly between measured sizes and
-    extrapolated in proportion beyond the largest."""
+class Pace:
+    """How much slower than the cost tables' stored readings the machine runs now (the
+    module docstring); 1 until a verifier forward surprises the policy."""
 
     def __init__(self) -> None:
+        self.factor = 1.0
+
+    def follow(self, measured: float, estimated: float, share: float = _PACE) -> None:
+        """Move by ``share`` of the surprise ``measured / estimated`` (both in seconds)."""
+        if measured > 0 and estimated > 0:
+            self.factor *= (measured / estimated) ** share
+
+
+class CostTable:
+    """Seconds by size (rows or tokens), interpolated linearly between measured sizes and
+    extrapolated in proportion beyond the largest; stored over ``pace`` and read times it."""
+
+    def __init__(self, pace: Pace | None = None) -> None:
+        self.pace = Pace() if pace is None else pace
         self.sizes: list[int] = []
-        self.seconds: list[float] = []
+        self.seconds: list[float] = []  # at a pace of 1
 
     def observe(self, size: int, seconds: float) -> None:
         """Fold one measurement of ``size`` into the table."""
+        seconds /= self.pace.factor
         at = bisect.bisect_left(self.sizes, size)
         if at < len(self.sizes) and self.sizes[at] == size:
             self.seconds[at] += _EMA * (seconds - self.seconds[at])
@@ -107,7 +139,10 @@ class CostTable:
             self.seconds.insert(at, seconds)
 
     def estimate(self, size: int) -> float:
-        """The cost of ``size``: 0 before any measurement."""
+        """The cost of ``size`` at the pace now: 0 before any measurement."""
+        return self._stored(size) * self.pace.factor
+
+    def _stored(self, size: int) -> float:
         if not self.sizes:
             return 0.0
         at = bisect.bisect_left(self.sizes, size)
@@ -138,15 +173,25 @@ class SpeculationPolicy:
 
     def __init__(self, max_draft_tokens: int) -> None:
         self.max_draft_tokens = max_draft_tokens
-        self.draft = CostTable()  # one draft step, by rows
-        self.verify = CostTable()  # one verifier forward, by tokens
+        self.pace = Pace()
+        self.draft = CostTable(self.pace)  # one draft step, by rows
+        self.verify = CostTable(self.pace)  # one verifier forward, by tokens
         self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
         self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
-        self.catch_up_token_s = 0.0  # a model drafter reading one token it skipped
+        self._catch_up_token = 0.0  # a model drafter reading one token it skipped, at pace 1
         bins = len(_CONFIDENCE_EDGES) + 1
         self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
         self.bin_reached = [0.0] * bins  # drafts verified (every draft before them kept)
+
+    @property
+    def catch_up_token_s(self) -> float:
+        """Seconds a model drafter takes to read one token it skipped, at the pace now."""
+        return self._catch_up_token * self.pace.factor
+
+    @catch_up_token_s.setter
+    def catch_up_token_s(self, seconds: float) -> None:
+        self._catch_up_token = seconds / self.pace.factor
 
     def pool_chances(self) -> list[float]:
         """r_1..r_Kmax: the pool's chance of keeping the j-th draft once every draft before it
@@ -263,7 +308,10 @@ class SpeculationPolicy:
         no step would ever lower it again."""
         self._learn_confidences(timing)
         self.judged += timing.verified_tokens - timing.rows  # each row feeds one more token
-        self.verify.observe(timing.verified_tokens, timing.verify_s)
+        tokens = timing.verified_tokens
+        first = tokens not in self.verify.sizes  # its cost the table's reading between sizes,
+        self.pace.follow(timing.verify_s, self.verify.estimate(tokens), 1.0 if first else _PACE)
+        self.verify.observe(tokens, timing.verify_s)  # so its first surprise is all pace
         if not timing.draft_steps:
             return
         if timing.caught_up <= _STEADY_LAG * timing.rows:
