@@ -23,13 +23,12 @@ is its rate at depth j, read off the same history), R = sum_b w_b the rows of on
 step, t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens
 in all, and c L the model drafter's catch-up: L tokens it skipped beyond the steady lag (a
 new prompt, or what was emitted while K was 0; it reads them only when its row drafts
-again) at c seconds
-each, paid off over N(K), the iterations the rows have left at E(K) / B tokens each. Costs
-are read off ``CostTable``s that every iteration updates (an exponential moving average per
-size, seeded by a short calibration that times t_draft through the drafter, as the
-stepper runs it), held relative to the machine's pace (below). The policy drafts the K in
-0..K_max that maximises
-E(K) / T(K), and drafts at all only when that is at least ``_MARGIN`` above K = 0, plain
+again) at c seconds each, paid off over N(K), the iterations the rows have left at E(K) / B
+tokens each. Costs are read off ``CostTable``s that every iteration updates (an exponential
+moving average per size, seeded by a short calibration that times t_draft through the
+drafter, as the stepper runs it), held relative to the machine's pace (below). The policy
+drafts the K in 0..K_max that maximises E(K) / T(K), and drafts at all only when that is
+at least ``_MARGIN`` above K = 0, plain
 decoding (E = B, T = t_verify(B)): so it never picks a K it predicts to be slower than plain
 decoding, nor one within its own error of it. At high concurrency, where a verifier forward
 over B (K + 1) tokens costs much more than over B, it drafts less or not at all. The
@@ -57,8 +56,9 @@ measures no drafting to correct it. So the costs are read against a ``Pace`` p: 
 verifier forward moves log p by ``_PACE`` times the log of its surprise (measured over
 estimated seconds), every measurement is stored divided by p and read multiplied by it,
 and what p leaves of a surprise is what its size's entry learns (a size read for the first
-time takes its shape from the sizes around it: its whole surprise moves p). All costs scale with p
-together, so the K chosen depends on their ratios alone, which p's noise leaves unchanged.
+time takes its shape from the sizes around it: its whole surprise moves p). All costs scale
+with p together, so the K chosen depends on their ratios alone, which p's noise leaves
+unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, rows that leave K open draft K_max, to the end. A policy that drafted only where its
