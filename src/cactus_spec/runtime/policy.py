@@ -88,7 +88,8 @@ POLICIES = ("auto", "fixed")
 _EMA = 0.2
 #: Share of a verifier forward's surprise (log of measured over estimated seconds) taken as
 #: a change of the machine's pace: 0.8 puts 95% of a lasting change of speed in the pace
-#: (0.8 / (0.8 + 0.2 * _EMA)) and lets an entry learn its own size's cost at 4% a reading.
+#: (_PACE / (_PACE + (1 - _PACE) _EMA)) and lets an entry learn its own size's cost at
+#: (1 - _PACE) _EMA = 4% of a surprise a reading.
 _PACE = 0.8
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
