@@ -212,8 +212,9 @@ def merge_rounds(rows: list[dict], ar: dict[tuple[int, int], float]) -> list[dic
 
 
 def _spread(ratios: list[float]) -> str:
-    """``1.02x`` for one ratio, ``median [min, max]`` for several."""
-    if len(ratios) == 1:
+    """``1.02x`` for one ratio (or several equal: AR against itself), ``median [min, max]``
+    for several."""
+    if len(set(ratios)) == 1:
         return f"{ratios[0]:.2f}x"
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 
