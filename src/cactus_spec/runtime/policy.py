@@ -28,12 +28,11 @@ tokens each. Costs are read off ``CostTable``s that every iteration updates (an 
 moving average per size, seeded by a short calibration that times t_draft through the
 drafter, as the stepper runs it), held relative to the machine's pace (below). The policy
 drafts the K in 0..K_max that maximises E(K) / T(K), and drafts at all only when that is
-at least ``_MARGIN`` above K = 0, plain
-decoding (E = B, T = t_verify(B)): so it never picks a K it predicts to be slower than plain
-decoding, nor one within its own error of it. At high concurrency, where a verifier forward
-over B (K + 1) tokens costs much more than over B, it drafts less or not at all. The
-scheduler asks for the batch that is forming (rows still reading their prompts included),
-not only for the rows already decoding.
+at least ``_MARGIN`` above K = 0, plain decoding (E = B, T = t_verify(B)): so it never picks
+a K it predicts to be slower than plain decoding, nor one within its own error of it. At
+high concurrency, where a verifier forward over B (K + 1) tokens costs much more than over
+B, it drafts less or not at all. The scheduler asks for the batch that is forming (rows
+still reading their prompts included), not only for the rows already decoding.
 
 A single stream (``engine.generate`` with K left open) also stops drafting inside an
 iteration (``keep_drafting``): after j drafts with acceptance chances a_1..a_j, read off the
