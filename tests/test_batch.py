@@ -397,6 +397,24 @@ def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     assert fresh.choose([g], [0]) == [0]
 
 
+def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
+    """A fresh policy (probing) over four rows whose drafters must first read their
+    100-token prompts at a slow drafter's pace (5 s for the four): no K would pay even were
+    every draft kept, so the probe drafts none, where a probe of K_max would stall the four
+    for seconds; once the drafters have caught up it drafts K_max (the control: the same
+    costs, nothing behind)."""
+    d = decoder(1)
+    rows = [generation(d, list(range(1, 101)), spec_of(SpS(), None)) for _ in range(4)]
+    fresh = SpeculationPolicy(max_draft_tokens=8)
+    fresh.draft.observe(4, 0.004)
+    for tokens, seconds in {1: 0.050, 4: 0.052, 36: 0.120}.items():
+        fresh.verify.observe(tokens, seconds)
+    fresh.catch_up_token_s = 0.0125
+    assert fresh.probing()
+    assert fresh.choose(rows, [100] * 4) == [0] * 4
+    assert fresh.choose(rows, [0] * 4) == [8] * 4
+
+
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     d = decoder(1)
     g = generation(d, list(range(1, 101)), spec_of(Cactus(1.0), None))

@@ -158,13 +158,13 @@ def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
 def test_a_request_arriving_while_a_prompt_is_read_joins_the_batch_the_policy_sees() -> None:
     """LONG arrives while SHORT's prompt is read (alone, nothing decodes yet): SHORT's first
     K is chosen for both rows, not for a lone stream; and both decode what they decode
-    alone."""
+    alone (K pinned at alone's 3, so the tokens can be compared)."""
     asked: list[list[int]] = []
 
     class Recording(SpeculationPolicy):
         def choose(self, generations, behind):
             asked.append([g.row for g in generations])
-            return super().choose(generations, behind)
+            return [3] * len(generations)
 
     d, out = serve_two(prefill_chunk=16, policy=Recording(3), long_arrives_while_short_is_read=True)
     assert asked[0] == [0, 1]

@@ -60,10 +60,13 @@ with p together, so the K chosen depends on their ratios alone, which p's noise 
 unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
-drafts, rows that leave K open draft K_max, to the end. A policy that drafted only where its
-prior (a rate of 1/2) promised a gain would never learn a higher rate where a verification
-block costs several plain steps (a float32 verifier on a CPU without AMX): it would decode
-plainly forever, right or wrong.
+drafts, rows that leave K open draft, to the end, the K that would pay best were every
+draft kept (K_max before any cost was measured). A policy that drafted only where its prior
+(a rate of 1/2) promised a gain would never learn a higher rate where a verification block
+costs several plain steps (a float32 verifier on a CPU without AMX): it would decode
+plainly forever, right or wrong. A probe that drafted K_max whatever the batch would stall
+a wave of joining rows: at 16 rows, each drafter first reading its prompt, the iteration
+that drafts 10 costs seconds for tokens plain decoding gives in a fraction of that.
 """
 
 from __future__ import annotations
@@ -223,26 +226,45 @@ class SpeculationPolicy:
         if not any(g.spec.auto_k for g in generations):
             best = 0
         elif self.probing():
-            best = self.max_draft_tokens
+            best = self._probe_k(generations, behind)
         else:
             best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
+    def _probe_k(self, generations: Sequence[Generation], behind: Sequence[int]) -> int:
+        """While probing: the K that would pay best were every draft kept (K_max before any
+        cost was measured), so a probe drafts only where drafting can pay at all."""
+        if not self.verify.sizes:
+            return self.max_draft_tokens
+        return _best_k(self.forecast(generations, behind, every_draft_kept=True))
+
     def forecast(
-        self, generations: Sequence[Generation], behind: Sequence[int]
+        self,
+        generations: Sequence[Generation],
+        behind: Sequence[int],
+        every_draft_kept: bool = False,
     ) -> list[tuple[float, float]]:
         """(E(K), T(K)) for K = 0..K_max: the tokens and seconds the module docstring's model
         expects of one iteration in which the rows that leave K open draft K (the others
-        their own K); what ``choose`` weighs."""
-        auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
+        their own K), at the chances learned or, with ``every_draft_kept``, at chance 1;
+        what ``choose`` weighs."""
+        auto = [generations[i] for i, g in enumerate(generations) if g.spec.auto_k]
+        lags = [behind[i] for i, g in enumerate(generations) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
-        return self._forecast([generations[i] for i in auto], [behind[i] for i in auto], fixed)
+        if every_draft_kept:
+            chances = [[1.0] * self.max_draft_tokens for _ in auto]
+        else:
+            pool = self.pool_chances()
+            chances = [self.chances(g, pool) for g in auto]
+        return self._forecast(auto, chances, lags, fixed)
 
     def _forecast(
-        self, auto: list[Generation], lags: list[int], fixed: list[Generation]
+        self,
+        auto: list[Generation],
+        chances: list[list[float]],
+        lags: list[int],
+        fixed: list[Generation],
     ) -> list[tuple[float, float]]:
-        pool = self.pool_chances()
-        chances = [self.chances(g, pool) for g in auto]
         widths = [g.verification.branches for g in auto]
         fixed_tokens = sum(_fixed_k(g) * g.verification.branches + 1 for g in fixed)
         rows = sum(widths) + sum(g.verification.branches for g in fixed)  # rows of one draft step
