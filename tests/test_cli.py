@@ -121,7 +121,7 @@ def test_cuda_device_without_cuda_is_refused(capsys) -> None:
     assert "device 'cuda' is not available" in one_line_error(capsys)
 
 
-@pytest.mark.parametrize("flag", ["--max-new-tokens", "--num-draft-tokens"])
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--num-draft-tokens", "--rounds"])
 def test_demo_checks_counts_before_loading(flag: str, capsys) -> None:
     assert main(["demo", flag, "0", "--verifier", "/no/such.gguf"]) == 2
     err = capsys.readouterr().err
