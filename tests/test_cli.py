@@ -11,9 +11,10 @@ import torch
 from conftest import make_tiny_lm
 
 from cactus_spec.bench.store import RUN_FILE
-from cactus_spec.cli import main
+from cactus_spec.cli import demo_runs, main
 from cactus_spec.core.methods import build_rule
 from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
+from cactus_spec.core.spec import DEFAULT_NUM_DRAFT_TOKENS, DecodeSpec
 
 
 def test_build_rule_defaults_and_overrides() -> None:
@@ -127,6 +128,16 @@ def test_demo_checks_counts_before_loading(flag: str, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err  # nothing loaded first
     assert f"{flag} must be an integer >= 1" in err and err.rstrip().endswith("got 0")
+
+
+@pytest.mark.parametrize(("given", "k"), [("auto", None), (4, 4)])
+def test_demo_drafts_the_k_it_is_given(given: int | str, k: int | None) -> None:
+    """The demo's speculative rows leave K to the policy by default (K None) and draft a
+    given K; the control: a K of None given to the parser means none given, the default."""
+    ar, *speculative = demo_runs(given)
+    assert not ar[1].drafts
+    assert [spec.num_draft_tokens for _, spec in speculative] == [k, k]
+    assert DecodeSpec.of("sps", num_draft_tokens=None).num_draft_tokens == DEFAULT_NUM_DRAFT_TOKENS
 
 
 def test_demo_names_the_models_it_loads(capsys) -> None:

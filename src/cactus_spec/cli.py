@@ -588,11 +588,7 @@ def run_demo(args: argparse.Namespace) -> int:
         head_vocab=options.draft_vocab,
     )
     stderr.print(_kernels_line(verifier, draft))
-    runs = [
-        ("AR (verifier alone)", DecodeSpec.of("ar")),
-        ("SpS", DecodeSpec.of("sps", num_draft_tokens=k)),
-        ("Cactus (delta=1)", DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=k)),
-    ]
+    runs = demo_runs(args.num_draft_tokens)
     shown_k = f"K={k}" if k else f"K auto (up to {DEFAULT_NUM_DRAFT_TOKENS})"
     table = Table(
         title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
@@ -622,6 +618,16 @@ def run_demo(args: argparse.Namespace) -> int:
     Console().print(table)
     print(f"\nCactus (delta=1) wrote:\n{result.text}")
     return 0
+
+
+def demo_runs(num_draft_tokens: int | str) -> list[tuple[str, DecodeSpec]]:
+    """The demo's rows: AR, then SpS and Cactus(delta=1) drafting ``num_draft_tokens``, an
+    integer or auto (a policy picks K: None in a spec, but a K not given to the parser)."""
+    return [
+        ("AR (verifier alone)", DecodeSpec.of("ar")),
+        ("SpS", DecodeSpec.of("sps", num_draft_tokens=num_draft_tokens)),
+        ("Cactus (delta=1)", DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=num_draft_tokens)),
+    ]
 
 
 def _fastest_of_rounds(decoder, runs: list, max_new_tokens: int, rounds: int) -> list:
