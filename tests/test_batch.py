@@ -397,22 +397,34 @@ def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     assert fresh.choose([g], [0]) == [0]
 
 
+#: A calibration held to AVX2 (the default pair, int8 verifier): seconds by tokens or rows.
+AVX2_VERIFY = {1: 0.046, 2: 0.067, 4: 0.099, 8: 0.167, 16: 0.239, 32: 0.494, 64: 0.937,
+               128: 1.842, 176: 2.457}  # fmt: skip
+AVX2_DRAFT = {1: 0.020, 2: 0.023, 4: 0.033, 8: 0.058, 16: 0.111}
+
+
 def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
-    """A fresh policy (probing) over four rows whose drafters must first read their
-    100-token prompts at a slow drafter's pace (5 s for the four): no K would pay even were
-    every draft kept, so the probe drafts none, where a probe of K_max would stall the four
-    for seconds; once the drafters have caught up it drafts K_max (the control: the same
-    costs, nothing behind)."""
+    """A fresh policy (probing) with costs timed held to AVX2: for 16 rows no K would pay
+    even were every draft kept (a block of 32 tokens costs twice one of 16), so the probe
+    drafts none, where a probe of K_max would stall the 16; for one row it drafts K_max,
+    even with its drafter 158 tokens behind at 5 ms a token: the probe pays that read once
+    to learn the acceptance that decides the rest. The control: past the probe, at a rate of
+    0.98 a draft, that read keeps the row from drafting, and drafting pays once it is read."""
     d = decoder(1)
-    rows = [generation(d, list(range(1, 101)), spec_of(SpS(), None)) for _ in range(4)]
-    fresh = SpeculationPolicy(max_draft_tokens=8)
-    fresh.draft.observe(4, 0.004)
-    for tokens, seconds in {1: 0.050, 4: 0.052, 36: 0.120}.items():
+    rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in range(16)]
+    fresh = SpeculationPolicy(max_draft_tokens=10)
+    for tokens, seconds in AVX2_VERIFY.items():
         fresh.verify.observe(tokens, seconds)
-    fresh.catch_up_token_s = 0.0125
+    for batch, seconds in AVX2_DRAFT.items():
+        fresh.draft.observe(batch, seconds)
+    fresh.catch_up_token_s = 0.005
     assert fresh.probing()
-    assert fresh.choose(rows, [100] * 4) == [0] * 4
-    assert fresh.choose(rows, [0] * 4) == [8] * 4
+    assert fresh.choose(rows, [0] * 16) == [0] * 16
+    assert fresh.choose(rows[:1], [158]) == [10]
+    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
+    assert not fresh.probing()
+    assert fresh.choose(rows[:1], [158]) == [0]
+    assert fresh.choose(rows[:1], [0]) != [0]
 
 
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:

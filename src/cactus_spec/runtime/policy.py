@@ -61,12 +61,14 @@ unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, rows that leave K open draft, to the end, the K that would pay best were every
-draft kept (K_max before any cost was measured). A policy that drafted only where its prior
-(a rate of 1/2) promised a gain would never learn a higher rate where a verification block
-costs several plain steps (a float32 verifier on a CPU without AMX): it would decode
-plainly forever, right or wrong. A probe that drafted K_max whatever the batch would stall
-a wave of joining rows: at 16 rows, each drafter first reading its prompt, the iteration
-that drafts 10 costs seconds for tokens plain decoding gives in a fraction of that.
+draft kept and every drafter caught up (K_max before any cost was measured). A policy that
+drafted only where its prior (a rate of 1/2) promised a gain would never learn a higher rate
+where a verification block costs several plain steps (a float32 verifier on a CPU without
+AMX): it would decode plainly forever, right or wrong. A probe that drafted K_max whatever
+the batch would stall a wave of joining rows: at 16 rows a block of 176 tokens costs more
+than the plain steps its tokens replace, and each drafter first reads its prompt. The
+drafters' reads are left out of the probe's forecast: they are paid once, and a lone row's
+read (0.8 s held to AVX2) would otherwise keep it from ever drafting.
 """
 
 from __future__ import annotations
@@ -226,17 +228,20 @@ class SpeculationPolicy:
         if not any(g.spec.auto_k for g in generations):
             best = 0
         elif self.probing():
-            best = self._probe_k(generations, behind)
+            best = self._probe_k(generations)
         else:
             best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
-    def _probe_k(self, generations: Sequence[Generation], behind: Sequence[int]) -> int:
-        """While probing: the K that would pay best were every draft kept (K_max before any
-        cost was measured), so a probe drafts only where drafting can pay at all."""
+    def _probe_k(self, generations: Sequence[Generation]) -> int:
+        """While probing: the K that would pay best were every draft kept and every drafter
+        caught up (K_max before any cost was measured), so a probe drafts only where
+        drafting can pay at all, and pays the drafters' reads once to learn the acceptance
+        that decides the rest."""
         if not self.verify.sizes:
             return self.max_draft_tokens
-        return _best_k(self.forecast(generations, behind, every_draft_kept=True))
+        caught_up = [0] * len(generations)
+        return _best_k(self.forecast(generations, caught_up, every_draft_kept=True))
 
     def forecast(
         self,
