@@ -35,6 +35,7 @@ from cactus_spec.runtime.scheduler import PREFILL_CHUNK
 
 if TYPE_CHECKING:  # the engine loads torch's kernels: imported where it is used
     from cactus_spec.runtime.engine import SpeculativeDecoder
+    from cactus_spec.runtime.generation import GenerationResult
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -572,7 +573,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _check_counts(args, ("max_new_tokens", "rounds"))
     given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
-    k = parse_spec(given, label=flag).num_draft_tokens  # None: auto
+    parse_spec(given, label=flag)  # a bad K refused by its flag's name, before loading
+    runs = demo_runs(args.num_draft_tokens)
     options = _load_options(args, needs_draft=True)
     pair = "the default pair" if (options.verifier, options.draft) == DEFAULT_PAIR else "the models"
     stderr.print(f"loading {pair}: {options.verifier} (verifier), {options.draft} (draft) …")
@@ -588,7 +590,7 @@ def run_demo(args: argparse.Namespace) -> int:
         head_vocab=options.draft_vocab,
     )
     stderr.print(_kernels_line(verifier, draft))
-    runs = demo_runs(args.num_draft_tokens)
+    k = runs[1][1].num_draft_tokens  # None: auto
     shown_k = f"K={k}" if k else f"K auto (up to {DEFAULT_NUM_DRAFT_TOKENS})"
     table = Table(
         title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
@@ -630,11 +632,16 @@ def demo_runs(num_draft_tokens: int | str) -> list[tuple[str, DecodeSpec]]:
     ]
 
 
-def _fastest_of_rounds(decoder, runs: list, max_new_tokens: int, rounds: int) -> list:
+def _fastest_of_rounds(
+    decoder: SpeculativeDecoder,
+    runs: list[tuple[str, DecodeSpec]],
+    max_new_tokens: int,
+    rounds: int,
+) -> list[GenerationResult]:
     """Each run's fastest generation over ``rounds`` rounds of the runs in turn: a machine
     whose speed changes under it (turbo, thermal limits, neighbours) then weighs no method's
     slow state against another's fast one (noise only ever adds time)."""
-    results: list[list] = [[] for _ in runs]
+    results: list[list[GenerationResult]] = [[] for _ in runs]
     for r in range(rounds):
         for (name, spec), kept in zip(runs, results, strict=True):
             stderr.print(f"running {name} (round {r + 1} of {rounds}) …")

@@ -253,8 +253,8 @@ class SpeculationPolicy:
         expects of one iteration in which the rows that leave K open draft K (the others
         their own K), at the chances learned or, with ``every_draft_kept``, at chance 1;
         what ``choose`` weighs."""
-        auto = [generations[i] for i, g in enumerate(generations) if g.spec.auto_k]
-        lags = [behind[i] for i, g in enumerate(generations) if g.spec.auto_k]
+        auto = [g for g in generations if g.spec.auto_k]
+        lags = [n for g, n in zip(generations, behind, strict=True) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
         if every_draft_kept:
             chances = [[1.0] * self.max_draft_tokens for _ in auto]
