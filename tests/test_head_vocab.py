@@ -68,7 +68,14 @@ def test_truncated_head_logits_are_the_full_heads_at_its_ids(smollm_path, tokeni
     whole = LeanBackend(LeanModel(full.model)).append(tokens)  # [T, V]
     part = LeanBackend(LeanModel(cut.model)).append(tokens)  # [T, N]
     assert part.shape == (len(tokens), len(ids))
-    torch.testing.assert_close(part, whole[:, ids], rtol=0, atol=1e-5)
+    # the same products summed in another order (oneDNN blocks a 1,024-row head differently
+    # from the whole one on an AMX Xeon): equal within a few float32 roundings of the row's
+    # scale, not bit for bit
+    eps = torch.finfo(torch.float32).eps
+    scale = 32 * eps * whole.abs().amax(dim=-1, keepdim=True)  # [T, 1]
+    assert bool(((part - whole[:, ids]).abs() <= scale).all())
+    # the control: the head's neighbouring ids are other logits, far outside that tolerance
+    assert not bool(((part - whole[:, ids.roll(1)]).abs() <= scale).all())
     # the embedding stays whole: a tied head is copied, not cut
     assert cut.model.get_input_embeddings().weight.shape[0] == 49152
 
