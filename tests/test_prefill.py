@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable
 
 import torch
-from conftest import make_tiny_lm, spec_of
+from conftest import AR, make_tiny_lm, spec_of
 from test_engine import noisy_copy
 
 from cactus_spec.backends.lean import _forward_groups
 from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import as_loaded
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -173,13 +174,32 @@ def test_a_request_arriving_while_a_prompt_is_read_joins_the_batch_the_policy_se
 
 
 def test_long_rows_of_similar_lengths_share_a_forward() -> None:
-    groups = _forward_groups([3, 100, 90, 40, 5, 20])
+    roomy = [1000] * 7
+    groups = _forward_groups([3, 100, 90, 40, 5, 20], roomy)
     assert groups == [[0, 4], [1, 2], [3], [5]]
     lengths = [100, 90, 80, 75, 74, 17, 16]
-    for group in _forward_groups(lengths):
+    for group in _forward_groups(lengths, roomy):
         widths = [lengths[i] for i in group]
         assert max(widths) <= 16 or min(widths) >= 0.75 * max(widths)
-    assert sorted(i for g in _forward_groups(lengths) for i in g) == list(range(len(lengths)))
+    assert sorted(i for g in _forward_groups(lengths, roomy) for i in g) == list(range(7))
+    # a row with less room than its group's width is read alone, at its own width
+    assert _forward_groups([3, 100, 90, 40, 5, 20], [4, 100, 95, 40, 5, 20]) == [
+        [4], [0], [1], [2], [3], [5]
+    ]
+
+
+def test_a_row_at_the_context_end_beside_a_drafting_row_decodes() -> None:
+    """An autoregressive row whose prompt and budget fill the cache, batched with a row that
+    drafts K = 8: padding its one token to the drafting row's nine would write past its
+    cache's end, and failed the batch (both rows) before rows were grouped by their room."""
+    target, draft = make_tiny_lm(), make_tiny_lm(seed=1)
+    engine = SpeculativeDecoder(target, draft, DecodeSpec.of("sps", num_draft_tokens=8), max_batch=2)
+    full = engine.context_length - 20
+    ar = Request(prompt_ids=[1] * full, max_new_tokens=20, seed=0, spec=AR, ignore_eos=True)
+    drafting = Request(prompt_ids=[2] * 10, max_new_tokens=60, seed=1, ignore_eos=True)
+    together = engine.decode_many([ar, drafting])
+    assert [len(r.token_ids) for r in together] == [20, 60]
+    assert together[0].token_ids == engine.decode_many([ar])[0].token_ids
 
 
 def test_prompts_read_in_one_forward_give_the_logits_they_give_alone() -> None:

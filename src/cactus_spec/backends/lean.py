@@ -410,10 +410,21 @@ _SHARED_FORWARD_TOKENS = 16
 _SHARED_LONG_FILL = 0.75
 
 
-def _forward_groups(lengths: list[int]) -> list[list[int]]:
+def _forward_groups(lengths: list[int], rooms: list[int]) -> list[list[int]]:
     """Which rows go in one forward: every row of at most ``_SHARED_FORWARD_TOKENS`` tokens
     together; longer ones (prompts being read) longest first, each with the following ones
-    down to ``_SHARED_LONG_FILL`` of its length."""
+    down to ``_SHARED_LONG_FILL`` of its length. A row with fewer free slots (``rooms``) than
+    its group's width goes alone: padding it to the width would write past its cache's end."""
+    groups = []
+    for group in _by_width(lengths):
+        width = max(lengths[i] for i in group)
+        fits = [i for i in group if rooms[i] >= width]
+        groups += ([fits] if fits else []) + [[i] for i in group if rooms[i] < width]
+    return groups
+
+
+def _by_width(lengths: list[int]) -> list[list[int]]:
+    """``_forward_groups`` before the rows' rooms are considered."""
     short = [i for i, n in enumerate(lengths) if n <= _SHARED_FORWARD_TOKENS]
     long = sorted(
         (i for i, n in enumerate(lengths) if n > _SHARED_FORWARD_TOKENS), key=lambda i: -lengths[i]
@@ -486,7 +497,8 @@ class LeanBackend:
             raise ValueError("append needs at least one token")
         for row in rows:
             self.trees[row] = PendingTree()
-        groups = _forward_groups([len(ids) for ids in token_lists])
+        rooms = [self.context_length - self.length_of(row) for row in rows]
+        groups = _forward_groups([len(ids) for ids in token_lists], rooms)
         out: list[Tensor | None] = [None] * len(token_lists)
         for group in groups:
             lists = [token_lists[i] for i in group]
@@ -547,7 +559,11 @@ class LeanBackend:
             raise ValueError("append_tree needs at least one node per row")
         trees = [self.trees[row].grown(ps) for row, ps in zip(rows, parent_lists, strict=True)]
         out: list[Tensor | None] = [None] * len(token_lists)
-        for group in _forward_groups([len(ids) for ids in token_lists]):
+        held = [len(tree) - len(ids) for tree, ids in zip(trees, token_lists, strict=True)]
+        rooms = [
+            self.context_length - self.length_of(row) - n for row, n in zip(rows, held, strict=True)
+        ]
+        for group in _forward_groups([len(ids) for ids in token_lists], rooms):
             lists = [token_lists[i] for i in group]
             logits = self._forward_tree(lists, [rows[i] for i in group], [trees[i] for i in group])
             for i, rows_logits in zip(group, logits, strict=True):
