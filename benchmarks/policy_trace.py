@@ -1,17 +1,19 @@
-"""What the speculation policy expects of each iteration against what the iteration cost.
+"""What the speculation policy forecasts of an iteration against what the iteration cost, at
+B rows and K drafts.
 
-    CACTUS_SPEC_ISA=avx2 python benchmarks/policy_trace.py --rows 16 --verifier-quant int8
-    python benchmarks/policy_trace.py --rows 16 --fixed-k 10      # the same prompts at K = 10
+    python benchmarks/policy_trace.py --verifier-quant int8 --draft-quant int4 \
+        --draft-vocab 32768 --batch 1,4,8 --k 0,2,4,10          # every K at every B
+    python benchmarks/policy_trace.py --batch 8 --k policy      # the K the policy picks
 
-Loads the default pair for ``--rows`` rows, times the serving policy once
-(``calibrated_policy``), then decodes the first ``--n`` HumanEval chat prompts one after the
-other in one row, as a server with one client would: the policy picks K each iteration
-(``--fixed-k``: that K instead, the policy still forecasting), learns each finished
-generation's acceptance, and times every iteration. Each iteration prints K and, for that K
-and for K = 0 and K_max, the policy's forecast E(K) tokens / T(K) seconds; then the
-iteration's measured wall time (draft, verify, the rest) and the tokens it emitted. The
-summary compares, by K, the forecast seconds with the measured ones and the forecast tokens
-with the emitted ones: which term of the policy's model errs.
+Loads the default pair for the largest B, times the serving policy once
+(``calibrated_policy``), then for each B decodes the first B HumanEval chat prompts together
+(one row each, as a server with B clients), first a few iterations to bring every drafter
+level, then ``--iterations`` iterations at each K in turn, the policy observing every one as
+the scheduler lets it. Each iteration's wall time (drafting, the verifier's forward, and the
+rest: sampling, verification, the meter, Python) is set beside the policy's forecast T(K)
+made just before it, and its emitted tokens beside E(K). The table gives, by B and K, the
+medians and the forecast's error, and what the forecast would choose at each B against what
+measures fastest (tokens per second of the measured iterations).
 """
 
 from __future__ import annotations
@@ -19,97 +21,135 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
+from dataclasses import dataclass
 
 from cactus_spec.bench.tasks import humaneval_items
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.runtime.generation import Request
-from cactus_spec.runtime.policy import CostTable
+from cactus_spec.runtime.generation import Generation, Request
+from cactus_spec.runtime.policy import SpeculationPolicy
 
-#: (forecast seconds, measured seconds, forecast tokens, emitted tokens) of an iteration.
-Trace = tuple[float, float, float, int]
+
+@dataclass(frozen=True)
+class Trace:
+    """One iteration: the policy's forecast, and what it measured."""
+
+    k: int
+    forecast_s: float
+    forecast_tokens: float
+    wall_s: float
+    draft_s: float
+    verify_s: float
+    emitted: int
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=16, help="the engine's rows (max batch)")
-    parser.add_argument("--n", type=int, default=4, help="prompts, one after the other")
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--verifier-quant", default="none")
-    parser.add_argument("--draft-quant", default="int8")
-    parser.add_argument("--draft-vocab", type=int, default=None)
+    parser.add_argument("--batch", default="1,4,8", help="rows decoding together")
+    parser.add_argument("--k", default="0,2,4,10", help="K values, or 'policy'")
+    parser.add_argument("--iterations", type=int, default=12, help="timed per K")
+    parser.add_argument("--verifier-quant", default="int8")
+    parser.add_argument("--draft-quant", default="int4")
+    parser.add_argument("--draft-vocab", type=int, default=32768)
     parser.add_argument("--method", default="cactus", help="sps or cactus (delta 1)")
-    parser.add_argument("--fixed-k", type=int, default=None, help="draft this K, not the policy's")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    ks = None if args.k == "policy" else [int(k) for k in args.k.split(",")]
     spec = DecodeSpec.of(args.method).with_num_draft_tokens(None)  # K: the policy's
     engine = SpeculativeDecoder(
         *DEFAULT_PAIR,
         spec,
         max_draft_tokens=10,
-        max_batch=args.rows,
+        max_batch=max(batches),
         verifier_quant=args.verifier_quant,
         draft_quant=args.draft_quant,
         draft_vocab=args.draft_vocab,
     )
     policy = engine.calibrated_policy()
     assert policy is not None  # the default pair drafts with a model
-    print(f"calibrated: verify ms by tokens {_table(policy.verify)}; draft ms by rows "
-          f"{_table(policy.draft)}", flush=True)  # fmt: skip
-    measured: dict[int, list[Trace]] = defaultdict(list)
-    for i, item in enumerate(humaneval_items(args.n)):
-        ids = engine.encode_chat([{"role": "user", "content": item.prompt}])
-        request = Request(
-            prompt_ids=ids, max_new_tokens=args.new_tokens, sampling=SamplingConfig(), spec=spec
+    prompts = [item.prompt for item in humaneval_items(max(batches))]
+    print("B, K: iterations; forecast / measured ms (error); draft, verify, rest ms; "
+          "forecast / emitted tokens; measured tokens/s", flush=True)  # fmt: skip
+    for rows in batches:
+        traces = _run(engine, policy, prompts[:rows], spec, ks, args.iterations)
+        _summary(rows, traces)
+
+
+def _run(
+    engine: SpeculativeDecoder,
+    policy: SpeculationPolicy,
+    prompts: list[str],
+    spec: DecodeSpec,
+    ks: list[int] | None,
+    iterations: int,
+) -> list[Trace]:
+    """Decode ``prompts`` together: a warm-up at K_max, then ``iterations`` at each K."""
+    gens = [
+        engine.new_generation(
+            Request(
+                prompt_ids=engine.encode_chat([{"role": "user", "content": p}]),
+                max_new_tokens=4096,
+                sampling=SamplingConfig(),
+                seed=i,
+                spec=spec,
+                ignore_eos=True,
+            ),
+            i,
         )
-        g = engine.new_generation(request, 0)
-        engine.prefill([g])
-        while not g.done:
-            k, trace = _iteration(engine, policy, g, args.fixed_k, f"prompt {i}")
-            measured[k].append(trace)
+        for i, p in enumerate(prompts)
+    ]
+    engine.prefill(gens)
+    for _ in range(3):  # every drafter reads its prompt; the policy's probe sees drafts
+        _iteration(engine, policy, gens, policy.max_draft_tokens)
+    traces = []
+    for k in ks or [None]:
+        traces += [_iteration(engine, policy, gens, k) for _ in range(iterations)]
+    for g in gens:
         policy.learn_acceptance(g)
         g.finish()
-    _summary(measured)
+    return traces
 
 
-def _iteration(engine, policy, g, fixed_k: int | None, label: str) -> tuple[int, Trace]:
-    """One iteration of ``g`` at the policy's K (or ``fixed_k``), printed beside the
-    policy's forecast for it."""
-    behind = engine.behind([g])
-    forecast = policy.forecast([g], behind)
-    (k,) = policy.choose([g], behind) if fixed_k is None else (fixed_k,)
+def _iteration(
+    engine: SpeculativeDecoder, policy: SpeculationPolicy, gens: list[Generation], k: int | None
+) -> Trace:
+    """One iteration of every row at ``k`` (None: the policy's choice), beside the policy's
+    forecast for it, observed by the policy as the scheduler would."""
+    behind = engine.behind(gens)
+    forecast = policy.forecast(gens, behind)
+    chosen = policy.choose(gens, behind)[0] if k is None else k
     start = time.perf_counter()
-    timing = engine.step([g], [k])
+    timing = engine.step(gens, [chosen] * len(gens))
     wall = time.perf_counter() - start
     policy.observe(timing)
-    tokens, seconds = forecast[k]
-    other = wall - timing.draft_s - timing.verify_s
-    print(
-        f"{label} K={k:2d} forecast {tokens:5.2f} tok / {1000 * seconds:6.1f} ms "
-        f"(K=0 {1000 * forecast[0][1]:5.1f} ms, K={len(forecast) - 1} "
-        f"{forecast[-1][0]:5.2f} / {1000 * forecast[-1][1]:6.1f} ms); measured "
-        f"{1000 * wall:6.1f} ms (draft {1000 * timing.draft_s:5.1f}, verify "
-        f"{1000 * timing.verify_s:5.1f}, other {1000 * other:4.1f}), {timing.emitted} tokens",
-        flush=True,
-    )
-    return k, (seconds, wall, tokens, timing.emitted)
+    tokens, seconds = forecast[chosen]
+    return Trace(chosen, seconds, tokens, wall, timing.draft_s, timing.verify_s, timing.emitted)
 
 
-def _summary(measured: dict[int, list[Trace]]) -> None:
-    print("\nby K: iterations, forecast / measured ms (median), forecast / emitted tokens (mean)")
-    for k in sorted(measured):
-        forecast_s, wall, tokens, emitted = zip(*measured[k], strict=True)
+def _summary(rows: int, traces: list[Trace]) -> None:
+    rates = {}
+    for k in sorted({t.k for t in traces}):
+        mine = [t for t in traces if t.k == k]
+        forecast = statistics.median(t.forecast_s for t in mine)
+        wall = statistics.median(t.wall_s for t in mine)
+        draft = statistics.median(t.draft_s for t in mine)
+        verify = statistics.median(t.verify_s for t in mine)
+        emitted = sum(t.emitted for t in mine)
+        rates[k] = emitted / sum(t.wall_s for t in mine)
         print(
-            f"K={k:2d}: {len(wall):4d}, {1000 * statistics.median(forecast_s):6.1f} / "
-            f"{1000 * statistics.median(wall):6.1f} ms, "
-            f"{statistics.mean(tokens):5.2f} / {statistics.mean(emitted):5.2f}"
+            f"B={rows:2d}, K={k:2d}: {len(mine):3d}; {1000 * forecast:6.1f} / {1000 * wall:6.1f}"
+            f" ms ({forecast / wall - 1:+.0%}); {1000 * draft:5.1f}, {1000 * verify:6.1f}, "
+            f"{1000 * (wall - draft - verify):5.1f} ms; "
+            f"{statistics.mean(t.forecast_tokens for t in mine):5.2f} / "
+            f"{emitted / len(mine):5.2f}; {rates[k]:6.1f}",
+            flush=True,
         )
-
-
-def _table(table: CostTable) -> str:
-    return ", ".join(f"{n}: {1000 * table.estimate(n):.1f}" for n in table.sizes)
+    if len(rates) > 1:
+        best = max(rates, key=rates.__getitem__)
+        print(f"B={rows:2d}: fastest measured K={best} ({rates[best] / rates[min(rates)]:.2f}x "
+              f"K={min(rates)})", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -187,7 +187,9 @@ def summarise(results: list[dict], wall: float) -> dict:
         "gap_max_s": max(gaps, default=None),
         "acceptance": sum(r["accepted_tokens"] for r in results) / drafted if drafted else None,
         "mean_k": drafted / iterations if iterations else 0.0,
-        "kl_nats_per_token": sum(r["kl_nats"] for r in results) / tokens,
+        "kl_nats_per_token": None  # an unbounded divergence: JSON null (kl_unbounded)
+        if any(r["kl_nats"] is None for r in results)
+        else sum(r["kl_nats"] for r in results) / tokens,
     }
 
 

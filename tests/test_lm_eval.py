@@ -224,19 +224,19 @@ def test_rolling_loglikelihood_in_windows(
 
 
 def test_a_long_prompt_is_cut_to_leave_room_for_a_whole_draft_tree(smollm: LoadedModel) -> None:
-    """The prompt is cut so prompt + max_gen_toks + every node of one draft tree fit the
-    cache (what ``check_context`` asks); a chain reserves its K alone (the control)."""
+    """The prompt is cut so prompt + max_gen_toks + a draft tree's nodes beyond its depth fit
+    the cache (what ``check_context`` asks); a chain reserves nothing (the control)."""
     from cactus_spec.lm_eval.model import CactusSpecLM
 
     tree = {"verification": "tree", "branches": 3, "num_draft_tokens": 4}
     lm = CactusSpecLM(verifier=smollm, draft=smollm, method="sps", max_batch=1, **tree)
     context = lm.engine.context_length
     fitted = lm._fit_prompt(list(range(context)), 10)
-    assert len(fitted) == context - 10 - 4 * 3
+    assert len(fitted) == context - 10 - 4 * 2
     lm.engine.check_context(len(fitted), 10)  # no overflow
     with pytest.raises(ValueError, match="context overflow"):
         lm.engine.check_context(len(fitted) + 1, 10)
-    assert lm.engine.draft_reserve(DecodeSpec.of("sps", num_draft_tokens=4)) == 4
+    assert lm.engine.draft_reserve(DecodeSpec.of("sps", num_draft_tokens=4)) == 0
 
 
 def test_chat_template_is_the_tokenizers(sps_lm, smollm: LoadedModel) -> None:

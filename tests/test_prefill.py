@@ -184,7 +184,12 @@ def test_long_rows_of_similar_lengths_share_a_forward() -> None:
     assert sorted(i for g in _forward_groups(lengths, roomy) for i in g) == list(range(7))
     # a row with less room than its group's width is read alone, at its own width
     assert _forward_groups([3, 100, 90, 40, 5, 20], [4, 100, 95, 40, 5, 20]) == [
-        [4], [0], [1], [2], [3], [5]
+        [4],
+        [0],
+        [1],
+        [2],
+        [3],
+        [5],
     ]
 
 
@@ -193,7 +198,9 @@ def test_a_row_at_the_context_end_beside_a_drafting_row_decodes() -> None:
     drafts K = 8: padding its one token to the drafting row's nine would write past its
     cache's end, and failed the batch (both rows) before rows were grouped by their room."""
     target, draft = make_tiny_lm(), make_tiny_lm(seed=1)
-    engine = SpeculativeDecoder(target, draft, DecodeSpec.of("sps", num_draft_tokens=8), max_batch=2)
+    engine = SpeculativeDecoder(
+        target, draft, DecodeSpec.of("sps", num_draft_tokens=8), max_batch=2
+    )
     full = engine.context_length - 20
     ar = Request(prompt_ids=[1] * full, max_new_tokens=20, seed=0, spec=AR, ignore_eos=True)
     drafting = Request(prompt_ids=[2] * 10, max_new_tokens=60, seed=1, ignore_eos=True)

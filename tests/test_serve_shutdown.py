@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,3 +138,26 @@ def test_serve_with_a_draft_model_starts_and_stops_without_a_traceback(tmp_path)
     next(served, None)
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log and "Event loop is closed" not in log, log[-2000:]
+
+
+def test_serve_says_where_it_listens_and_how_long_start_up_took(tmp_path) -> None:
+    """Once it answers, the log names the address and the start-up's seconds (no more than
+    the test waited) and what it serves; the control: a second server on the same port
+    cannot bind, fails, and prints no ready line."""
+    launched = time.monotonic()
+    process, port = next(serving(tmp_path, ["--drafter", "ngram"]))
+    try:
+        waited = time.monotonic() - launched
+        log = (tmp_path / "serve.log").read_text()
+        address = rf"listening on http://127\.0\.0\.1:{port} "
+        ready = re.search(address + r"\(ready ([\d.]+) s after start", log)
+        assert ready is not None and 0 < float(ready.group(1)) <= waited, log
+        assert "serving smollm2-135m: verifier smollm2-135m" in log and "drafter ngram" in log
+        cli = Path(sys.executable).with_name("cactus-spec")
+        command = [str(cli), "serve", "--verifier", "smollm2-135m", "--method", "ar",
+                   "--port", str(port), "--dtype", "float32"]  # fmt: skip
+        second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert second.returncode != 0 and "listening on" not in second.stderr, second.stderr
+        assert "address already in use" in second.stderr
+    finally:
+        process.kill()

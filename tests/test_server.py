@@ -303,9 +303,9 @@ def one(smollm):
         ({"logit_bias": {"999999": 1}}, "logit_bias", "is not in [0,"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "must lie in"),
         ({"echo": True}, "echo", "not supported"),
-        ({"speculative": {"method": "sps", "delta": 1.0}}, "speculative", "delta does not apply"),
-        ({"speculative": {"method": "cactus", "delta": -1}}, "speculative", "delta"),
-        ({"speculative": {"method": "nope"}}, "speculative", "method must be one of"),
+        ({"speculative": {"method": "sps", "delta": 1.0}}, "speculative.delta", "does not apply"),
+        ({"speculative": {"method": "cactus", "delta": -1}}, "speculative.delta", "delta"),
+        ({"speculative": {"method": "nope"}}, "speculative.method", "must be one of"),
         ({"speculative": {"num_draft_tokens": 0}}, "speculative.num_draft_tokens", "[1, 32]"),
         (
             {"speculative": {"method": "cactus", "kl_budget": "lots"}},

@@ -254,8 +254,8 @@ def bad_request(client, **fields) -> openai.BadRequestError:
         ),
         (
             {"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}},
-            "response_format",
             "ignore_eos",
+            "ignore_eos cannot be used with response_format",
         ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (

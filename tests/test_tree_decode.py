@@ -25,6 +25,7 @@ from cactus_spec.loading.fetch import fetch
 from cactus_spec.loading.models import load_model
 from cactus_spec.runtime.drafters import DraftRequest, ModelDrafter, tree_widths
 from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
 
 
 def tree(
@@ -153,9 +154,18 @@ def test_smollm2_tree_greedy_equals_autoregressive(smollm) -> None:  # noqa: F81
     assert_same_greedy_tokens(smollm, prompt, ar.token_ids, result.token_ids)
 
 
-def test_the_context_check_reserves_every_node_of_a_tree() -> None:
+def test_the_context_check_reserves_a_trees_nodes_beyond_its_depth() -> None:
+    """A tree of depth K and ``branches`` nodes a depth takes (branches - 1) K slots more than
+    the chain its budget allows; a request that fills the context by that bound decodes to
+    its end."""
     target, draft = make_tiny_lm(), make_tiny_lm(seed=1)  # 256 positions
     decoder = SpeculativeDecoder(target, draft, tree(k=4, branches=4))
-    decoder.check_context(200, 40)  # 200 + 40 + 16 nodes fill the context exactly
-    with pytest.raises(ValueError, match=r"num_draft_tokens x branches \(16\) = 257"):
-        decoder.check_context(200, 41)  # a chain of 4 would fit
+    decoder.check_context(204, 40)  # 204 + 40 + 3 x 4 fill the context exactly
+    with pytest.raises(ValueError, match=r"num_draft_tokens x \(branches - 1\) \(12\) = 257"):
+        decoder.check_context(204, 41)
+    SpeculativeDecoder(target, draft, DecodeSpec.of("sps", num_draft_tokens=4)).check_context(
+        216, 40
+    )  # a chain of 4 needs no reserve
+    request = Request(prompt_ids=[3] * 204, max_new_tokens=40, seed=0, ignore_eos=True)
+    (result,) = decoder.decode_many([request])
+    assert len(result.token_ids) == 40 and result.stats.drafted > 0

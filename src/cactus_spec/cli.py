@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -669,6 +670,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from cactus_spec.server.app import SHUTDOWN_GRACE_S, ServerConfig, create_app
     from cactus_spec.server.run import HEADER_TIMEOUT_S, make_scheduler, serve
 
+    started = time.monotonic()
     spec = _spec(args)
     _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "prefill_chunk"))
     if args.max_request_bytes is not None:
@@ -709,8 +711,25 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id, args.api_key, args.default_max_tokens, chat_template=template, **given
     )
     app = create_app(scheduler, config)
-    serve(app, scheduler, args.host, args.port, app.state.drain, grace, header_timeout)
+    stderr.print(_serving_line(model_id, options, spec, args), highlight=False)
+    serve(app, scheduler, args.host, args.port, app.state.drain, grace, header_timeout, started)
     return 0
+
+
+def _serving_line(
+    model_id: str, options: LoadOptions, spec: DecodeSpec, args: argparse.Namespace
+) -> str:
+    """What ``serve`` runs: the models and their weights, the drafting, the rows and the CPU."""
+
+    def weights(quant: str) -> str:
+        return "dense" if quant == "none" else quant
+
+    draft = f"{options.draft} ({weights(options.draft_quant)})" if options.draft else "none"
+    drafting = f"drafter {spec.drafter}, policy {args.policy}" if spec.drafts else "no drafting"
+    return (
+        f"serving {model_id}: verifier {options.verifier} ({weights(options.verifier_quant)}), "
+        f"draft {draft}, {drafting}, {args.max_batch} rows, instruction set {isa.level()}"
+    )
 
 
 def _read_text(path: str, option: str) -> str:

@@ -18,6 +18,13 @@ def format_number(value: float | None, digits: int = 2, suffix: str = "") -> str
     return DASH if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _kl(config: dict, key: str, digits: int) -> str:
+    """A divergence figure of ``config``: "unbounded" where an answer's was (``summary``)."""
+    if config.get(key) is None and config.get("kl_unbounded"):
+        return "unbounded"
+    return format_number(config.get(key), digits)
+
+
 def format_interval(values: Sequence[float] | None, digits: int = 2, suffix: str = "") -> str:
     """[estimate, low, high] -> "1.23x [1.01, 1.40]"."""
     if values is None:
@@ -97,8 +104,8 @@ def _speed_row(c: dict) -> list[str]:
         format_number(c.get("bound"), suffix="x"),
         DASH if ratio is None else f"{ratio:.0%}",
         DASH if other is None else f"{other:.0%}",
-        format_number(c.get("kl_nats_per_token"), 4),
-        format_number(c.get("kl_nats_per_sequence"), 3),
+        _kl(c, "kl_nats_per_token", 4),
+        _kl(c, "kl_nats_per_sequence", 3),
         format_number(c["peak_memory_bytes"] / 1e9),
         format_number(c.get("throughput_tokens_per_s")),
     ]
@@ -241,8 +248,8 @@ def budget_table(configs: Sequence[dict]) -> list[str]:
                 DASH if c.get("gain_kept") is None else f"{c['gain_kept']:.0%}",
                 format_number(c.get("gain_per_nat"), 2),
                 format_interval(c.get("speedup_vs_sps"), suffix="x"),
-                format_number(c.get("kl_nats_per_sequence"), 3),
-                format_number(c.get("kl_nats_per_sequence_max"), 3),
+                _kl(c, "kl_nats_per_sequence", 3),
+                _kl(c, "kl_nats_per_sequence_max", 3),
                 format_number(c.get("kl_budget"), 2),
                 format_number(c.get("tv_bound"), 3),
                 format_interval(c.get("difference_vs_ar"), 3),

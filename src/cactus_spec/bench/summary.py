@@ -15,6 +15,7 @@ batches (batches.jsonl), counting only batches whose items are all current.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -22,10 +23,11 @@ from cactus_spec.bench.bound import measured_bound
 from cactus_spec.bench.grid import Config
 from cactus_spec.bench.stats import Interval, median_spread, paired_difference, wilson
 from cactus_spec.bench.tasks import Item
+from cactus_spec.core.audit import reported_kl
 from cactus_spec.core.budget import pinsker_bound
 from cactus_spec.core.spec import BUDGET_KEYS
 
-_SUMMED = ("iterations", "drafted", "accepted", "new_tokens", "kl_nats")
+_SUMMED = ("iterations", "drafted", "accepted", "new_tokens")
 _SUMMED_TIMES = ("time_draft_s", "time_verify_s", "time_total_s")
 
 Rows = dict[str, dict]  # item id -> row
@@ -77,6 +79,20 @@ def speed_ratio(rows: Rows, reference: Rows | None) -> Interval | None:
     return median_spread([rows[i]["tokens_per_s"] / reference[i]["tokens_per_s"] for i in shared])
 
 
+def _divergence(rows: Rows, new_tokens: int) -> dict:
+    """The meter per token, per answer and its largest answer; None for each, with
+    ``kl_unbounded`` true, where an answer's divergence was unbounded (its row's
+    ``kl_nats`` None, or inf in a run written before ``kl_unbounded``)."""
+    spent = [math.inf if r["kl_nats"] is None else r["kl_nats"] for r in rows.values()]
+    figures = {
+        "kl_nats_per_token": sum(spent) / max(1, new_tokens),
+        "kl_nats_per_sequence": statistics.mean(spent),
+        "kl_nats_per_sequence_max": max(spent),
+    }
+    finite = {name: reported_kl(value)["kl_nats"] for name, value in figures.items()}
+    return {**finite, "kl_unbounded": not math.isfinite(sum(spent))}
+
+
 def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
     """Acceptance, time shares, divergence and the i.i.d. bound of an engine method."""
     totals = _totals(rows)
@@ -84,9 +100,7 @@ def _engine(config: Config, rows: Rows, ar: Rows | None) -> dict:
         "iterations": totals["iterations"],
         "tokens_per_iteration": totals["new_tokens"] / max(1, totals["iterations"]),
         "time_shares": _shares(totals),
-        "kl_nats_per_token": totals["kl_nats"] / max(1, totals["new_tokens"]),
-        "kl_nats_per_sequence": statistics.mean(r["kl_nats"] for r in rows.values()),
-        "kl_nats_per_sequence_max": max(r["kl_nats"] for r in rows.values()),
+        **_divergence(rows, totals["new_tokens"]),
     }
     budget = dict(config.params).get("kl_budget")  # a float (check_budget) when set
     out |= {} if budget is None else {"kl_budget": budget, "tv_bound": pinsker_bound(budget)}  # type: ignore[arg-type]

@@ -16,6 +16,8 @@ and a whole verified block is audited in one batched call (``step_divergences``)
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -161,3 +163,12 @@ def one_hot_divergences(q: Tensor, draft_ids: Tensor, rule: Rule) -> Tensor:
     law = (1 - accept) * rule.residual(q, ids, None).double()  # [P, S]
     law = law.scatter_add(-1, ids.unsqueeze(-1), accept)
     return kl(law, q)
+
+
+def reported_kl(kl_nats: float | None) -> dict[str, float | bool | None]:
+    """A meter reading as JSON can carry it: ``kl_nats`` finite, or None with
+    ``kl_unbounded`` true. A rule whose law puts mass where q has none (interp, TAS, top-k
+    at a temperature above 0) has KL(law || q) = inf: true, and not a JSON number."""
+    if kl_nats is None or not math.isfinite(kl_nats):
+        return {"kl_nats": None, "kl_unbounded": True}
+    return {"kl_nats": kl_nats + 0.0, "kl_unbounded": False}  # + 0.0: -0.0 reads 0

@@ -265,7 +265,7 @@ def check_budget(value: object, name: str = "kl_budget") -> float:
         or value < 0
     ):
         raise ValueError(f"{name} must be a finite number >= 0 (nats), got {value!r}")
-    return float(value)
+    return float(value) + 0.0  # -0.0 is 0
 
 
 def check_allocation(value: object, name: str = "allocation") -> str:
@@ -276,5 +276,6 @@ def check_allocation(value: object, name: str = "allocation") -> str:
 
 
 def pinsker_bound(budget: float) -> float:
-    """The largest |P(A) - Q(A)| over events A that KL(P || Q) <= budget allows: sqrt(B/2)."""
-    return math.sqrt(budget / 2)
+    """The largest |P(A) - Q(A)| over events A that KL(P || Q) <= budget allows:
+    min(1, sqrt(B / 2)) (a probability moves by 1 at most, so past B = 2 Pinsker says nothing)."""
+    return min(1.0, math.sqrt(budget / 2))

@@ -226,22 +226,25 @@ class SpeculativeDecoder:
         return self.max_draft_tokens if spec.num_draft_tokens is None else spec.num_draft_tokens
 
     def draft_reserve(self, spec: DecodeSpec | None = None) -> int:
-        """The cache slots one iteration's drafts may take beyond the context by ``spec``
-        (default: the engine's): K, or K x branches for a draft tree (every node)."""
+        """The cache slots one iteration's drafts may take beyond prompt + max_new_tokens by
+        ``spec`` (default: the engine's). None for a chain: a row drafts at most the tokens
+        its budget has left but one (``Generation.draft_budget``), so prompt, emitted tokens
+        and drafts never pass prompt + max_new_tokens - 1 cached tokens (and a row is never
+        padded past its cache's end: ``lean._forward_groups``). (branches - 1) K for a draft
+        tree: each of its K depths holds up to ``branches`` nodes, each in a slot of its own."""
         spec = self._spec(spec)
-        return self.draft_tokens(spec) * (spec.branches if spec.trees else 1)
+        return self.draft_tokens(spec) * (spec.branches - 1) if spec.trees else 0
 
     def check_context(
         self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None
     ) -> None:
         """ValueError when decoding by ``spec`` (default: the engine's) could overflow the
-        verifier's cache: the prompt, the budget and one iteration's drafts (a draft tree's
-        every node)."""
+        verifier's cache: the prompt, the budget and a draft tree's nodes beyond its depth
+        (``draft_reserve``)."""
         spec = self._spec(spec)
         parts = {"prompt": prompt_tokens, "max_new_tokens": max_new_tokens}
-        if spec.drafts:
-            name = "num_draft_tokens x branches" if spec.trees else "num_draft_tokens"
-            parts[name] = self.draft_reserve(spec)
+        if spec.trees:
+            parts["num_draft_tokens x (branches - 1)"] = self.draft_reserve(spec)
         if sum(parts.values()) > self.context_length:
             terms = " + ".join(f"{name} ({count})" for name, count in parts.items())
             raise ValueError(

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from cactus_spec.core.audit import reported_kl
 from cactus_spec.core.budget import pinsker_bound
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
@@ -77,7 +78,8 @@ class GenerationStats:
       draft position j had its verdict emitted (the chain reached it and generation
       had not ended before it) / in which it was accepted and emitted;
     - ``kl_nats``: the exact KL(law || q) summed over the drafted positions that
-      emitted a token (see the module docstring);
+      emitted a token (see the module docstring); inf where a rule's law left q's support
+      (``as_dict`` then gives None and ``kl_unbounded``: ``audit.reported_kl``);
     - ``time_grammar_s``: wall time computing and applying the grammar's masks (part of
       the draft and verify times it happened in);
     - ``kl_budget``: the answer's divergence budget in nats when its spec sets one
@@ -152,16 +154,18 @@ class GenerationStats:
             self.accepted_by_position[j] += 1
 
     def as_dict(self) -> dict:
-        """Every field and derived figure, JSON-ready."""
-        derived = (
-            "mean_accepted",
-            "acceptance_by_position",
-            "time_other_s",
-            "tokens_per_s",
-            "kl_nats_per_token",
-            "tv_bound",
-        )
-        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+        """Every field and derived figure, JSON-ready: an unbounded divergence is None with
+        ``kl_unbounded`` true."""
+        derived = ("mean_accepted", "acceptance_by_position", "time_other_s", "tokens_per_s")
+        divergence = reported_kl(self.kl_nats)
+        per_token = reported_kl(self.kl_nats_per_token)["kl_nats"]
+        return {
+            **asdict(self),
+            **{name: getattr(self, name) for name in derived},
+            **divergence,
+            "kl_nats_per_token": per_token,
+            "tv_bound": self.tv_bound,
+        }
 
 
 @dataclass

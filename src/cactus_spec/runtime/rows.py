@@ -58,6 +58,10 @@ class ServingEngine(Rows, Protocol):
     def chat_template(self) -> str | None:
         """The tokenizer's chat template, None without one."""
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens a row of the verifier's cache holds."""
+
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Prompt text or ids -> ids; ValueError for an empty or out-of-vocabulary prompt."""
 

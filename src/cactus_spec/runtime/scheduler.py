@@ -10,11 +10,12 @@ on 2 cores (``benchmarks/REPORT.md``).
 Each turn of its loop it admits waiting requests into free rows (each into the free row that
 holds the longest prefix of its prompt: prefix caching), drops cancelled ones, reads up to
 ``prefill_chunk`` prompt tokens per token each row verified in the last iteration, of the
-rows still reading their prompts (oldest first, in one batched forward where padding allows;
-everything at once when no row is decoding: chunked prefill), admits what arrived
+rows still reading their prompts (the shortest first, in one batched forward where padding
+allows; a few chunks when no row is decoding: chunked prefill), admits what arrived
 meanwhile, asks the policy for K, runs one stepper iteration over every row that has read
 its prompt, and hands finished generations back. So a long prompt arriving costs each
-running row at most one chunk's forward per iteration, not the whole prompt's; and requests
+running row at most one chunk's forward per iteration, not the whole prompt's, and a
+request arriving while nothing decodes waits for a few chunks of it; and requests
 sent together are one batch to the policy: the first one, read alone while the others
 arrive, would otherwise look like a lone stream worth drafting for, and its drafter would
 read its prompt and draft while the others wait (about 0.6 s a burst on a 2-core EPYC,
@@ -34,6 +35,7 @@ error outside any row (a forward that fails) ends the rows of that iteration, ea
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -50,6 +52,10 @@ from cactus_spec.runtime.stepper import StepTiming
 #: of 64 costs the default bf16 verifier 333 ms, six one-token forwards (53 ms; 128 cost
 #: 615 ms; ``benchmarks/forward_cost.py --tokens 1,64,128``).
 PREFILL_CHUNK = 64
+
+#: Chunks read per turn while no row decodes: each chunk streams the weights once more, and
+#: a request that arrives waits for at most these chunks of another's prompt.
+_IDLE_CHUNKS = 4
 
 #: Window of the tokens-per-second gauge.
 _RATE_WINDOW_S = 10.0
@@ -80,7 +86,9 @@ class Counters:
     drafted: int = 0
     accepted: int = 0
     iterations: int = 0
-    kl_nats: float = 0.0
+    kl_nats: float = 0.0  # over the requests whose divergence is finite
+    kl_tokens: int = 0  # their tokens
+    kl_unbounded: int = 0  # requests whose rule's law left q's support (KL infinite)
     prompt_tokens: int = 0
     prefix_queries: int = 0  # requests started (each looks for a cached prefix)
     prefix_hits: int = 0
@@ -210,10 +218,10 @@ class Scheduler(Generic[Engine]):
         for request, g in cancelled:
             self._release(request, g)
             self.counters.requests_cancelled += 1
-        reading = sorted((g for _, g in self._active if g.reading), key=lambda g: g.started)
+        reading = sorted((g for _, g in self._active if g.reading), key=_unread)
         generations = [g for _, g in self._active if not g.reading]
-        if reading:  # a chunk protects running rows; with none, every prompt is read now
-            self.engine.prefill(reading, self._prefill_budget() if generations else None)
+        if reading:
+            self.engine.prefill(reading, self._prefill_budget(running=bool(generations)))
             generations = [g for _, g in self._active if not g.reading]
         if not generations:
             return
@@ -240,12 +248,16 @@ class Scheduler(Generic[Engine]):
         if admitted:
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
 
-    def _prefill_budget(self) -> int | None:
-        """Prompt tokens to read this turn: ``prefill_chunk`` per token each row verified in
-        the last iteration (K + 1 when drafting), so drafting, which makes iterations
-        longer, does not slow the reading of waiting prompts."""
+    def _prefill_budget(self, running: bool) -> int | None:
+        """Prompt tokens to read this turn. With rows decoding: ``prefill_chunk`` per token
+        each row verified in the last iteration (K + 1 when drafting), so drafting, which
+        makes iterations longer, does not slow the reading of waiting prompts. With none:
+        ``_IDLE_CHUNKS`` chunks, so a request that arrives meanwhile waits for that much of
+        a long prompt's read, not for all of it."""
         if self.prefill_chunk is None:
             return None
+        if not running:
+            return self.prefill_chunk * _IDLE_CHUNKS
         last = self._last_step
         per_row = last.verified_tokens / last.rows if last is not None and last.rows else 1.0
         return round(self.prefill_chunk * max(1.0, per_row))
@@ -281,7 +293,11 @@ class Scheduler(Generic[Engine]):
         c.tokens += stats.new_tokens
         c.drafted += stats.drafted
         c.accepted += stats.accepted
-        c.kl_nats += stats.kl_nats
+        if math.isfinite(stats.kl_nats):
+            c.kl_nats += stats.kl_nats
+            c.kl_tokens += stats.new_tokens
+        else:
+            c.kl_unbounded += 1
         if self.policy is not None:
             self.policy.learn_acceptance(g)
         _tell(request.on_done, result)
@@ -305,6 +321,12 @@ class Scheduler(Generic[Engine]):
             self._release(request, g)
             self.counters.requests_failed += 1
             _tell(request.on_error, BatchError())
+
+
+def _unread(g: Generation) -> int:
+    """Prompt tokens ``g`` has still to read: the shortest are read first, so a short prompt
+    that arrives while a long one is read starts decoding at the next turn."""
+    return g.prompt_len - g.read
 
 
 def _tell(callback: Callable | None, value: object) -> None:

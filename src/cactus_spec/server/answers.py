@@ -8,6 +8,7 @@ import secrets
 import time
 from collections.abc import Sequence
 
+from cactus_spec.core.audit import reported_kl
 from cactus_spec.runtime.generation import GenerationResult
 from cactus_spec.runtime.logprobs import TokenLogprob
 from cactus_spec.server.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -122,8 +123,9 @@ class Answer:
 
     def usage(self, results: Sequence[GenerationResult]) -> dict:
         """Tokens and speculation figures, summed over the choices; each prompt counted once,
-        its cached tokens as its first choice found them. With an answer's budget, the budget
-        (each choice's) and the bound it puts on any event's probability."""
+        its cached tokens as its first choice found them. The divergence is ``kl_nats``, or
+        null with ``kl_unbounded`` true where a rule's law left q's support. With an answer's
+        budget, the budget (each choice's) and the bound it puts on any event's probability."""
         stats = [r.stats for r in results]
         completion = sum(len(r.token_ids) for r in results)
         iterations = sum(s.iterations for s in stats)
@@ -142,7 +144,7 @@ class Answer:
                 "drafted_tokens": sum(s.drafted for s in stats),
                 "accepted_tokens": accepted,
                 "mean_accepted_length": accepted / iterations if iterations else 0.0,
-                "kl_nats": sum(s.kl_nats for s in stats),
+                **reported_kl(sum(s.kl_nats for s in stats)),
                 **bound,
             },
         }

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -43,9 +43,8 @@ from cactus_spec.server.protocol import (
     speculative_spec,
 )
 from cactus_spec.server.tools import CLOSE, OPEN, defines_tool_calls, template_tools, tool_markers
-
-if TYPE_CHECKING:
-    pass
+from cactus_spec.server.wire import StrictJSONResponse as JSONResponse
+from cactus_spec.server.wire import sse
 
 #: max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 256
@@ -59,6 +58,8 @@ SHUTDOWN_GRACE_S = 30.0
 _DISCONNECT_POLL_S = 0.25
 _SHUTTING_DOWN = "the server is shutting down"
 _DECODING_FAILED = "decoding_failed"  # the code of an error raised while a request decoded
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class ServerConfig:
 def create_app(scheduler: Scheduler[ServingEngine], config: ServerConfig) -> FastAPI:
     """The FastAPI app over a started ``scheduler``. ``app.state.drain(grace)`` is what
     SIGTERM runs (``run.serve``): see ``_Handler.drain``."""
-    app = FastAPI(title="cactus-spec", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="cactus-spec", docs_url=None, redoc_url=None, default_response_class=JSONResponse
+    )
     handler = _Handler(scheduler, config)
     app.state.drain = handler.drain
     schema.install(app, config.model_id)
@@ -101,7 +104,7 @@ def create_app(scheduler: Scheduler[ServingEngine], config: ServerConfig) -> Fas
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        text = prometheus_text(scheduler, handler.invalid)
+        text = prometheus_text(scheduler, handler.invalid, handler.unanswered)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -192,6 +195,7 @@ class _Handler:
         self.closing = False
         self.live: dict[Request, asyncio.Queue] = {}  # submitted, not yet answered
         self.invalid = 0  # requests answered with a 4xx before decoding (429s: the queue's)
+        self.unanswered = 0  # decoded to the end, but their answer could not be written
         self.tool_markers = tool_markers(self.engine.tokenizer)
 
     def count(self, err: APIError) -> None:
@@ -226,7 +230,7 @@ class _Handler:
         max_tokens = self._max_tokens(body)
         prompts = self._prompts(body, chat)
         for ids in prompts:
-            self._check_context(len(ids), max_tokens, spec)
+            self._check_context(len(ids), max_tokens, spec, body, chat)
         if len(prompts) * body.n > self.scheduler.max_queue:
             message = f"n: {len(prompts) * body.n} choices exceed the server's queue (--max-queue)"
             raise APIError(400, message, "n")
@@ -282,20 +286,34 @@ class _Handler:
             spec = spec.with_num_draft_tokens(self.engine.draft_tokens(spec))
         return spec
 
-    def _check_context(self, prompt_tokens: int, max_tokens: int, spec: DecodeSpec) -> None:
-        """A 400 when the prompt, the budget and one iteration's drafts overflow the context,
-        naming ``max_tokens`` or, where the drafts alone make it overflow, what sized them."""
+    def _check_context(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        spec: DecodeSpec,
+        body: SamplingFields,
+        chat: bool,
+    ) -> None:
+        """A 400 when the prompt, the budget and a draft tree's extra nodes overflow the
+        context, naming what the client sent that overflows: the prompt where it leaves no
+        room for one token, ``speculative.<key>`` where the tree it asked for alone makes it
+        overflow, else ``max_tokens``."""
         try:
             self.engine.check_context(prompt_tokens, max_tokens, spec)
         except ValueError as err:
-            param = "max_tokens"
-            try:
-                self.engine.check_context(prompt_tokens, max_tokens, DecodeSpec.of("ar"))
-            except ValueError:
-                pass
-            else:
-                param = "speculative.branches" if spec.trees else "speculative.num_draft_tokens"
+            param = self._overflowing(prompt_tokens, max_tokens, body, chat)
             raise APIError(400, str(err), param, "context_length_exceeded") from None
+
+    def _overflowing(
+        self, prompt_tokens: int, max_tokens: int, body: SamplingFields, chat: bool
+    ) -> str:
+        """The field ``_check_context`` names (see there)."""
+        if prompt_tokens >= self.engine.context_length:
+            return "messages" if chat else "prompt"
+        sent = body.speculative or {}
+        asked = [key for key in ("branches", "num_draft_tokens", "verification") if key in sent]
+        fits_as_chain = prompt_tokens + max_tokens <= self.engine.context_length
+        return f"speculative.{asked[0]}" if asked and fits_as_chain else "max_tokens"
 
     def _penalties(self, body: SamplingFields) -> Penalties:
         penalties = body.penalties()
@@ -326,8 +344,13 @@ class _Handler:
         to a second, which the event loop must not wait)."""
         if grammar is None:
             return
+        if body.ignore_eos:
+            message = (
+                f"ignore_eos cannot be used with {_grammar_param(body)}, whose grammar ends at EOS"
+            )
+            raise APIError(400, message, "ignore_eos")
         try:
-            await asyncio.to_thread(self.engine.check_grammar, grammar, body.ignore_eos)
+            await asyncio.to_thread(self.engine.check_grammar, grammar)
         except ValueError as err:
             param = _grammar_param(body)
             raise APIError(400, f"{param}: {row_error_message(err)}", param) from None
@@ -449,7 +472,17 @@ class _Handler:
             if kind == "shutdown":
                 raise APIError(503, f"{_SHUTTING_DOWN}; the answer was not finished")
             results[index] = value
-        return JSONResponse(answer.whole([results[i] for i in range(len(pendings))]))
+        try:
+            return JSONResponse(answer.whole([results[i] for i in range(len(pendings))]))
+        except ValueError as err:
+            raise self._unanswered(err) from None
+
+    def _unanswered(self, err: ValueError) -> APIError:
+        """A decoded request whose answer could not be written (a value strict JSON cannot
+        carry): logged, counted as failed, answered with a 500."""
+        _log.error("a decoded answer could not be written", exc_info=err)
+        self.unanswered += 1
+        return APIError(500, f"the answer could not be written: {err}", code=_DECODING_FAILED)
 
     async def _stream(
         self,
@@ -466,7 +499,7 @@ class _Handler:
         try:
             if answer.chat:
                 for index in range(len(pendings)):
-                    yield _sse(answer.chunk(index, {"role": "assistant", "content": ""}, None))
+                    yield sse(answer.chunk(index, {"role": "assistant", "content": ""}, None))
             while len(results) < len(pendings):
                 kind, index, value = await events.get()
                 if kind == "logprobs":
@@ -474,22 +507,28 @@ class _Handler:
                 elif kind == "text":
                     piece = answer.text(index, value)
                     if piece:
-                        yield _sse(answer.chunk(index, piece, None, entries.pop(index, None)))
+                        yield sse(answer.chunk(index, piece, None, entries.pop(index, None)))
                 elif kind == "error":
-                    yield _sse(_decode_error(value, grammar_param).body())
+                    yield sse(_decode_error(value, grammar_param).body())
                     break
                 elif kind == "shutdown":
-                    yield _sse(APIError(503, f"{_SHUTTING_DOWN}; the answer ends here").body())
+                    yield sse(APIError(503, f"{_SHUTTING_DOWN}; the answer ends here").body())
                     break
                 else:
                     results[index] = value
                     for chunk in answer.ending(index, value, entries.pop(index, None)):
-                        yield _sse(chunk)
+                        yield sse(chunk)
             if usage and len(results) == len(pendings):
                 ordered = [results[i] for i in range(len(pendings))]
-                yield _sse(
-                    {**answer.envelope(stream=True), "choices": [], "usage": answer.usage(ordered)}
-                )
+                last = {
+                    **answer.envelope(stream=True),
+                    "choices": [],
+                    "usage": answer.usage(ordered),
+                }
+                try:
+                    yield sse(last)
+                except ValueError as err:
+                    yield sse(self._unanswered(err).body())
             yield "data: [DONE]\n\n"
         finally:
             self._forget(pendings)
@@ -522,7 +561,3 @@ def _sampling(body: SamplingFields) -> SamplingConfig:
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"

@@ -9,10 +9,12 @@ from cactus_spec.runtime.scheduler import Scheduler
 _PREFIX = "cactus_spec"
 
 
-def prometheus_text(scheduler: Scheduler, invalid: int = 0) -> str:
+def prometheus_text(scheduler: Scheduler, invalid: int = 0, unanswered: int = 0) -> str:
     """Requests by outcome (``invalid``: refused with a 4xx before decoding; ``rejected``:
-    429, the queue was full; ``failed``: decoding ended with an error), tokens, acceptance,
-    divergence, prefix caching, throughput, queue length and batch size."""
+    429, the queue was full; ``failed``: decoding ended with an error, or its answer could
+    not be sent, ``unanswered`` of those decoded to the end), tokens, acceptance, divergence
+    (finite totals; requests whose divergence is unbounded counted apart), prefix caching,
+    throughput, queue length and batch size."""
     c = scheduler.counters
     lines: list[str] = []
 
@@ -23,11 +25,11 @@ def prometheus_text(scheduler: Scheduler, invalid: int = 0) -> str:
             lines.append(f"{_PREFIX}_{name}{labels} {value:g}")
 
     outcomes = {
-        '{outcome="finished"}': c.requests_finished,
+        '{outcome="finished"}': c.requests_finished - unanswered,
         '{outcome="cancelled"}': c.requests_cancelled,
         '{outcome="rejected"}': c.requests_rejected,
         '{outcome="invalid"}': invalid,
-        '{outcome="failed"}': c.requests_failed,
+        '{outcome="failed"}': c.requests_failed + unanswered,
     }
     metric("requests_total", "counter", "Requests by outcome.", outcomes)
     metric("generated_tokens_total", "counter", "Tokens generated.", {"": c.tokens})
@@ -35,9 +37,25 @@ def prometheus_text(scheduler: Scheduler, invalid: int = 0) -> str:
     metric("accepted_tokens_total", "counter", "Draft tokens accepted.", {"": c.accepted})
     rate = c.accepted / c.drafted if c.drafted else 0.0
     metric("acceptance_ratio", "gauge", "Accepted / drafted since start.", {"": rate})
-    kl = c.kl_nats / c.tokens if c.tokens else 0.0
-    metric("kl_nats_total", "counter", "Divergence meter, nats (sum).", {"": c.kl_nats})
-    metric("kl_nats_per_token", "gauge", "Divergence meter per generated token.", {"": kl})
+    kl = c.kl_nats / c.kl_tokens if c.kl_tokens else 0.0
+    metric(
+        "kl_nats_total",
+        "counter",
+        "Divergence meter, nats (sum over requests whose divergence is finite).",
+        {"": c.kl_nats},
+    )
+    metric(
+        "kl_nats_per_token",
+        "gauge",
+        "Divergence meter per token of those requests.",
+        {"": kl},
+    )
+    metric(
+        "kl_unbounded_requests_total",
+        "counter",
+        "Requests whose rule's law left the verifier's support (infinite divergence).",
+        {"": c.kl_unbounded},
+    )
     metric(
         "prompt_tokens_total",
         "counter",

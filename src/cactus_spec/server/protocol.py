@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cactus_spec.core.checks import is_int
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import MAX_SEED
-from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.core.spec import SPEC_KEYS, DecodeSpec, parse_spec
 from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.logprobs import MAX_TOP_LOGPROBS
 from cactus_spec.server.tools import DEFAULT_MARKERS, Tool, ToolChoice, tool_grammar
@@ -432,15 +432,25 @@ def speculative_spec(options: dict[str, Any] | None, base: DecodeSpec) -> Decode
     if is_int(k) and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise APIError(400, f"{_K} must be in [1, {MAX_DRAFT_TOKENS}], got {k}", _K)
     try:
-        return parse_spec(options, base=base)
+        return parse_spec(options, base=base, label=_SPECULATIVE.__add__)
     except ValueError as err:
-        named = [key for key in _NAMED if str(err).startswith(key)]
-        param = f"speculative.{named[0]}" if named else "speculative"
-        raise APIError(400, f"speculative: {err}", param) from None
+        raise _speculative_error(str(err), options) from None
 
 
-#: The keys a bad ``speculative`` value is named by in the error's ``param``.
-_NAMED = ("num_draft_tokens", "kl_budget", "allocation")
+_SPECULATIVE = "speculative."
+
+
+def _speculative_error(message: str, options: dict[str, Any]) -> APIError:
+    """A 400 naming the ``speculative`` key ``message`` is about: the key it opens with (the
+    spec's parser names its keys ``speculative.<key>``, a rule its parameters bare), or the
+    unknown key it quotes; ``speculative`` itself when it names none."""
+    first = message.split(" ", 1)[0].removeprefix(_SPECULATIVE)
+    unknown = [key for key in options if message.startswith(f"unknown key {key!r}")]
+    key = unknown[0] if unknown else first if first in (*options, *SPEC_KEYS) else None
+    if key is None:
+        return APIError(400, f"speculative: {message}", "speculative")
+    param = _SPECULATIVE + key
+    return APIError(400, message if message.startswith(param) else f"{param}: {message}", param)
 
 
 _K = "speculative.num_draft_tokens"

@@ -42,7 +42,9 @@ def make_scheduler(
     chosen = None
     if policy == "auto" and engine.spec.drafts:
         print("timing the models for the speculation policy …", file=sys.stderr)
+        start = time.monotonic()
         chosen = engine.calibrated_policy()
+        print(f"timed in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return Scheduler(engine, max_queue, chosen, prefill_chunk)
 
 
@@ -126,14 +128,18 @@ def serve(
     drain: Callable[[float], Awaitable[None]],
     shutdown_grace_s: float,
     header_timeout_s: float = HEADER_TIMEOUT_S,
+    started: float | None = None,
 ) -> None:
     """Serve ``app`` until a signal, running ``scheduler``'s loop on this thread (the one
-    that loaded the models: ``runtime.scheduler`` says why) and uvicorn on another. The first
+    that loaded the models: ``runtime.scheduler`` says why) and uvicorn on another. Once it
+    listens it prints ``listening on http://HOST:PORT``, and the seconds since ``started``
+    (a ``time.monotonic()``: when start-up began) to stderr. The first
     SIGTERM or SIGINT calls ``drain(grace)`` (the app stops admitting, lets in-flight
     requests run up to the grace, ends the rest with a final event), then uvicorn shuts down
     and the loop stops; a second signal exits at once. uvicorn's own exit status (1 when it
     cannot bind) is raised as SystemExit."""
-    server = _DrainingServer(_config(app, host, port, header_timeout_s), drain, shutdown_grace_s)
+    config = _config(app, host, port, header_timeout_s)
+    server = _DrainingServer(config, drain, shutdown_grace_s, started)
     status: list[int] = []
 
     def run_uvicorn() -> None:
@@ -163,15 +169,32 @@ def serve(
 class _DrainingServer(uvicorn.Server):
     """A uvicorn server whose first exit signal drains the app before uvicorn shuts down."""
 
-    def __init__(self, config, drain: Callable[[float], Awaitable[None]], grace: float) -> None:
+    def __init__(
+        self,
+        config,
+        drain: Callable[[float], Awaitable[None]],
+        grace: float,
+        started: float | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain, self.grace = drain, grace
+        self.began = time.monotonic() if started is None else started
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's start-up, then the ready line (none when it could not bind)."""
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        took = time.monotonic() - self.began
+        ready = f"listening on http://{host}:{port} (ready {took:.1f} s after start)"
+        print(ready, file=sys.stderr)
 
     def handle_exit(self, sig, frame) -> None:
         if self.loop is None:

@@ -116,9 +116,11 @@ class Meter:
         path = os.environ.get(METER_FILE_ENV)
         if path:
             line = {"request_id": request_id, **asdict(tally)}
-            line["kl_nats"] = None if math.isnan(tally.kl_nats) else tally.kl_nats
+            line["kl_nats"] = None if not math.isfinite(tally.kl_nats) else tally.kl_nats
+            line["kl_unbounded"] = math.isinf(tally.kl_nats)  # not NaN: not measured
+            out_line = json.dumps(line, allow_nan=False)
             with open(path, "a", encoding="utf-8") as out:
-                out.write(json.dumps(line) + "\n")
+                out.write(out_line + "\n")
         if self.export is not None:
             self.export(tally)
         return tally

@@ -68,7 +68,7 @@ COUNTERS = (
     ("cactus_spec:requests", "requests decoded with a cactus-spec rule", None),
     ("cactus_spec:drafted_tokens", "drafted tokens verified", "drafted"),
     ("cactus_spec:accepted_tokens", "drafted tokens accepted", "accepted"),
-    ("cactus_spec:kl_nats", "exact KL(law || q) spent, in nats (measured requests)", "kl_nats"),
+    ("cactus_spec:kl_nats", "exact KL(law || q) spent, in nats (bounded, measured)", "kl_nats"),
 )
 _registered: list[bool] = []
 
@@ -123,7 +123,8 @@ def resolve_all(targets: tuple[tuple[str, str], ...]) -> None:
 
 
 def _prometheus_export() -> Callable[[Tally], None]:
-    """Add each finished request's tally to the counters (NaN KL: not measured, not added)."""
+    """Add each finished request's tally to the counters (a KL that is NaN, not measured, or
+    infinite, a law off q's support, is not added: the totals stay finite)."""
     from prometheus_client import Counter
 
     counters = [(Counter(name, text, ["method"]), field) for name, text, field in COUNTERS]
@@ -131,7 +132,7 @@ def _prometheus_export() -> Callable[[Tally], None]:
     def export(tally: Tally) -> None:
         for counter, field in counters:
             value = 1.0 if field is None else float(getattr(tally, field))
-            if not math.isnan(value):
+            if math.isfinite(value):
                 counter.labels(method=tally.method).inc(value)
 
     return export
