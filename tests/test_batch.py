@@ -245,6 +245,28 @@ def test_the_policy_drafts_only_for_a_gain_above_its_margin() -> None:
     assert clear.choose([g], [0]) == [1]
 
 
+def test_the_policy_counts_the_host_work_each_verified_token_brings() -> None:
+    """Eight rows, each draft kept with chance 1/2, whose verifier reads 8 to 88 tokens at
+    little more than one price (a block is cheap), but whose iteration spends 6 ms of host
+    work per verified token beyond the forward (each token's q processed and judged): K
+    drafts multiply that work by K + 1, more than they multiply the tokens, so the policy
+    decodes plainly. The control, the same forward costs and no host work, drafts; the
+    policy learns the host's part from iterations as the stepper times them."""
+    d = decoder(8)
+    rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None)) for _ in range(8)]
+    forward = {8: 0.090, 16: 0.100, 48: 0.140, 88: 0.180}
+    control, policy = policy_with(0.004, forward), policy_with(0.004, forward)
+    for chosen in (control, policy):
+        chosen.pool_accepted = [50.0] * 8  # 1/2 per position
+    assert control.choose(rows, [0] * 8)[0] > 0
+    for tokens in (8, 88):
+        timing = StepTiming(8, 0, 0.0, tokens, forward[tokens], 8, host_s=0.006 * tokens)
+        for _ in range(30):
+            policy.observe(timing)
+    assert policy.host.estimate(88) == pytest.approx(0.528, rel=0.05)
+    assert policy.choose(rows, [0] * 8) == [0] * 8
+
+
 def one_row_drafted(
     policy: SpeculationPolicy, steps: int, seconds: float, caught_up: int
 ) -> StepTiming:

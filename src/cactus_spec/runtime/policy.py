@@ -16,19 +16,22 @@ the one before it.
 
 and costs
 
-    T(K) = K * t_draft(R) + t_verify(n_fixed + sum_b (w_b K + 1)) + [K > 0] c L / N(K)   seconds,
+    T(K) = K * t_draft(R) + t_block(n) + [K > 0] c L / N(K)   seconds,
+    n = n_fixed + sum_b (w_b K + 1),   t_block(n) = t_verify(n) + t_host(n),
 
-where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj
-is its rate at depth j, read off the same history), R = sum_b w_b the rows of one draft
-step, t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens
-in all, and c L the model drafter's catch-up: L tokens it skipped beyond the steady lag (a
-new prompt, or what was emitted while K was 0; it reads them only when its row drafts
+where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj is
+its rate at depth j, read off the same history), R = sum_b w_b the rows of one draft step,
+t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens in
+all, t_host(n) the rest of an iteration that verifies n tokens (processing each token's row
+of q, judging, the meter: it grows with n as the forward does, and is no share of either
+model's time), and c L the model drafter's catch-up: L tokens it skipped beyond the steady
+lag (a new prompt, or what was emitted while K was 0; it reads them only when its row drafts
 again) at c seconds each, paid off over N(K), the iterations the rows have left at E(K) / B
 tokens each. Costs are read off ``CostTable``s that every iteration updates (an exponential
 moving average per size, seeded by a short calibration that times t_draft through the
 drafter, as the stepper runs it), held relative to the machine's pace (below). The policy
 drafts the K in 0..K_max that maximises E(K) / T(K), and drafts at all only when that is
-at least ``_MARGIN`` above K = 0, plain decoding (E = B, T = t_verify(B)): so it never picks
+at least ``_MARGIN`` above K = 0, plain decoding (E = B, T = t_block(B)): so it never picks
 a K it predicts to be slower than plain decoding, nor one within its own error of it. At
 high concurrency, where a verifier forward over B (K + 1) tokens costs much more than over
 B, it drafts less or not at all. The scheduler asks for the batch that is forming (rows
@@ -39,9 +42,9 @@ iteration (``keep_drafting``): after j drafts with acceptance chances a_1..a_j, 
 draft's own probability of each drafted token (acceptance rates by bins of that
 probability, learned from every verified draft and shrunk towards the pool's rate), the
 iteration promises E_j = 1 + S_1 + ... + S_j tokens (S_i = a_1 ... a_i) for
-T_j = j t_draft + t_verify(j + 1) seconds; one more draft adds about S_j a_j tokens (its
+T_j = j t_draft + t_block(j + 1) seconds; one more draft adds about S_j a_j tokens (its
 chance taken as the last draft's: confidence runs in stretches) for
-t_draft + t_verify(j + 2) - t_verify(j + 1) seconds, and is drawn only when that rate beats
+t_draft + t_block(j + 2) - t_block(j + 1) seconds, and is drawn only when that rate beats
 E_j / T_j. The draft's probabilities come from the draft alone, so the
 stop never looks at the verifier: every rule keeps its law. A draft tree is grown to the K
 chosen, without that stop.
@@ -181,6 +184,7 @@ class SpeculationPolicy:
         self.pace = Pace()
         self.draft = CostTable(self.pace)  # one draft step, by rows
         self.verify = CostTable(self.pace)  # one verifier forward, by tokens
+        self.host = CostTable(self.pace)  # the rest of an iteration, by tokens verified
         self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
         self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
@@ -280,7 +284,7 @@ class SpeculationPolicy:
 
         def forecast(k: int) -> tuple[float, float]:
             per_row = [expected_tokens(c, k) for c in chances]
-            cost = self.verify.estimate(fixed_tokens + sum(w * k + 1 for w in widths))
+            cost = self.block(fixed_tokens + sum(w * k + 1 for w in widths))
             if k > 0 and per_row:  # the catch-up, paid off over the iterations the rows have left
                 iterations_left = remaining / (sum(per_row) / len(per_row))
                 cost += k * self.draft.estimate(rows) + catch_up / iterations_left
@@ -314,11 +318,16 @@ class SpeculationPolicy:
             survival *= self.accept_chance(c)
             expected += survival
         t_draft = self.draft.estimate(1)
-        cost = j * t_draft + self.verify.estimate(j + 1)
-        more = t_draft + self.verify.estimate(j + 2) - self.verify.estimate(j + 1)
+        cost = j * t_draft + self.block(j + 1)
+        more = t_draft + self.block(j + 2) - self.block(j + 1)
         nearest = self.accept_chance(confidences[-1]) if confidences else self._pool_rate()
         gain = survival * nearest
         return cost <= 0 or gain * cost >= expected * more
+
+    def block(self, tokens: int) -> float:
+        """t_block: seconds of an iteration's verification of ``tokens`` tokens, the
+        verifier's forward and the host's work on its rows."""
+        return self.verify.estimate(tokens) + self.host.estimate(tokens)
 
     def _pool_rate(self) -> float:
         """The pool's rate over every position (the prior of the confidence bins)."""
@@ -339,6 +348,7 @@ class SpeculationPolicy:
         first = tokens not in self.verify.sizes  # its cost the table's reading between sizes,
         self.pace.follow(timing.verify_s, self.verify.estimate(tokens), 1.0 if first else _PACE)
         self.verify.observe(tokens, timing.verify_s)  # so its first surprise is all pace
+        self.host.observe(tokens, timing.host_s)
         if not timing.draft_steps:
             return
         if timing.caught_up <= _STEADY_LAG * timing.rows:

@@ -62,10 +62,11 @@ Stopping = Callable[[Sequence[float]], bool]
 @dataclass(frozen=True)
 class StepTiming:
     """What one iteration cost: the draft steps over ``rows`` rows (their drafters first
-    reading ``caught_up`` tokens of context they had not seen), and one verifier forward over
-    ``verified_tokens`` tokens in all; and what it kept: per row, the draft's probability of
-    each token it drafted (``confidences``; 1 for a deterministic drafter) and how many of
-    them were accepted (``kept``)."""
+    reading ``caught_up`` tokens of context they had not seen), one verifier forward over
+    ``verified_tokens`` tokens in all, and ``host_s``, the rest of the iteration (processing
+    the verifier's rows, judging, the meter, bookkeeping); and what it kept: per row, the
+    draft's probability of each token it drafted (``confidences``; 1 for a deterministic
+    drafter) and how many of them were accepted (``kept``)."""
 
     rows: int
     draft_steps: int
@@ -76,6 +77,7 @@ class StepTiming:
     caught_up: int = 0
     confidences: tuple[tuple[float, ...], ...] = ()
     kept: tuple[int, ...] = ()
+    host_s: float = 0.0
 
 
 class Stepper:
@@ -161,6 +163,7 @@ class Stepper:
         """One iteration for every generation, drafting up to ``num_draft_tokens[i]`` tokens
         for the i-th, fewer where ``keep_drafting[i]`` stops it (``DraftRequest``)."""
         stops = keep_drafting or [None] * len(generations)
+        began = time.perf_counter()
         drafts, draft_steps, draft_s, caught_up = self._propose(
             generations, num_draft_tokens, stops
         )
@@ -186,6 +189,7 @@ class Stepper:
             emitted += count
         verified = sum(len(f) for f in feeds)
         confidences = tuple(_confidences(g, d) for g, d in pairs)
+        host_s = time.perf_counter() - began - draft_s - verify_s
         return StepTiming(
             len(generations),
             draft_steps,
@@ -196,6 +200,7 @@ class Stepper:
             caught_up,
             confidences,
             tuple(accepted_counts),
+            max(0.0, host_s),
         )
 
     def _propose(self, generations, num_draft_tokens, stops) -> tuple[list[Draft], int, float, int]:
