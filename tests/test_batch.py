@@ -399,6 +399,31 @@ def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:
     assert policy.choose([spread], [0]) == [2]
 
 
+def test_an_answers_opening_is_learned_apart_from_the_rows_chances() -> None:
+    """Ten finished answers whose first iteration lost all its drafts at the first (the draft
+    opens its answers otherwise than the verifier), the rest keeping 8 of 10: a fresh row
+    decodes its opening plainly, then drafts, its own opening's rejection not counted
+    against it. The control: the same rejection after the opening is the row's own, and
+    lowers its chances."""
+    d = decoder(1)
+    policy = policy_with(0.010, {1: 0.050, 2: 0.053, 11: 0.080})
+    policy.judged = 100  # past its probe
+    for _ in range(10):
+        done = generation(d, [1, 2, 3], spec_of(SpS(), None))
+        done.stats.record(10, 0, 1)
+        for _ in range(4):
+            done.stats.record(10, 8, 9)
+        policy.learn_acceptance(done)
+    pooled = policy.pool_chances()
+    fresh = generation(d, [1, 2, 3], spec_of(SpS(), None))
+    assert policy.chances(fresh)[0] < 0.3 and policy.choose([fresh], [0]) == [0]
+    fresh.stats.record(10, 0, 1)  # its opening rejected at the first draft too
+    assert policy.chances(fresh)[0] == pytest.approx(pooled[0])
+    assert policy.choose([fresh], [0])[0] > 0
+    fresh.stats.record(10, 0, 1)  # the control: a rejection of its own
+    assert policy.chances(fresh)[0] < pooled[0] - 0.1
+
+
 def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     """Where a verification block costs three plain steps, the prior rate of 1/2 never pays
     for drafting; a fresh policy drafts K_max to the end until it has seen 100 drafts

@@ -85,6 +85,10 @@ class GenerationStats:
     - ``kl_budget``: the answer's divergence budget in nats when its spec sets one
       (``core.budget``; ``kl_nats`` never exceeds it), and ``tv_bound``, sqrt(budget / 2):
       how far the budget lets the probability of any event move from the verifier's;
+    - ``opening``: the first iteration's (drafts reached, drafts kept): where the answer
+      starts, a draft and its verifier often disagree on the first token (its style: a code
+      fence or a sentence), so the serving policy learns that iteration apart
+      (``policy.SpeculationPolicy.chances``);
     - ``cached_prompt_tokens`` / ``draft_cached_prompt_tokens``: prompt tokens the verifier
       / the draft model did not read because their row's cache held them from an earlier
       sequence (prefix caching, ``prefixes``).
@@ -103,6 +107,7 @@ class GenerationStats:
     time_total_s: float = 0.0
     kl_nats: float = 0.0
     kl_budget: float | None = None
+    opening: tuple[int, int] = (0, 0)
     cached_prompt_tokens: int = 0
     draft_cached_prompt_tokens: int = 0
 
@@ -144,6 +149,8 @@ class GenerationStats:
         kept = min(accepted, emitted)  # accepted drafts that were emitted
         self.accepted += kept
         reached = min(accepted + 1, drafted) if emitted > accepted else kept
+        if self.iterations == 1:
+            self.opening = (reached, kept)
         grow = drafted - len(self.reached_by_position)
         if grow > 0:
             self.reached_by_position += [0] * grow

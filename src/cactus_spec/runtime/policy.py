@@ -12,7 +12,13 @@ position j, over the generations that finished, is r_j = (A_j + P r_(j-1)) / (R_
 (A_j, R_j: drafts kept and reached at j; P = ``_PRIOR_POSITIONS``; r_0 = 1/2); a row's is
 its own counts shrunk the same way, towards m_j = a_b(j-1) r_j / r_(j-1) (its level, the
 pool's change along the chain; m_1 = r_1), so a position not yet reached takes the rate of
-the one before it.
+the one before it. A row's first iteration (its answer's opening) is counted apart: where
+an answer starts, a draft and its verifier often disagree on the first token (a code fence
+or a sentence: the default pair disagrees on three of four HumanEval chats), and one such
+rejection, counted as the row's, would sink its level at every position and stop it
+drafting for good. A row that has not iterated yet takes the openings' pool, o_j =
+(A°_j + P r_j) / (R°_j + P) over the finished generations' first iterations; every later
+iteration's counts (the row's, the pool's r_j) leave the opening out.
 
 and costs
 
@@ -187,6 +193,8 @@ class SpeculationPolicy:
         self.host = CostTable(self.pace)  # the rest of an iteration, by tokens verified
         self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
         self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
+        self.open_accepted = [0.0] * max_draft_tokens  # the same of their first iterations
+        self.open_reached = [0.0] * max_draft_tokens
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
         self._catch_up_token = 0.0  # a model drafter reading one token it skipped, at pace 1
         bins = len(_CONFIDENCE_EDGES) + 1
@@ -212,10 +220,14 @@ class SpeculationPolicy:
         return chances
 
     def chances(self, g: Generation, pool: Sequence[float] | None = None) -> list[float]:
-        """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the module docstring);
-        ``pool``: ``pool_chances()``, when the caller has it."""
+        """a_b1..a_bKmax: the row's own counts shrunk towards m_j, or before its first
+        iteration the openings' o_j (the module docstring); ``pool``: ``pool_chances()``,
+        when the caller has it."""
         pool = self.pool_chances() if pool is None else pool
-        kept, reached = g.stats.accepted_by_position, g.stats.reached_by_position
+        if g.stats.iterations == 0 and not any(g.stats.reached_by_position):
+            pairs = zip(self.open_accepted, self.open_reached, pool, strict=True)
+            return [(a + _PRIOR_POSITIONS * r) / (n + _PRIOR_POSITIONS) for a, n, r in pairs]
+        kept, reached = _after_opening(g)
         chances, before, level = [], _FIRST_PRIOR, _FIRST_PRIOR
         for j, r in enumerate(pool):
             prior = min(1.0, level * r / before)
@@ -367,11 +379,15 @@ class SpeculationPolicy:
                 self.bin_accepted[b] += float(position < kept)
 
     def learn_acceptance(self, g: Generation) -> None:
-        """Fold a finished generation's drafts kept and reached, by position, into the pool's."""
-        depth = min(len(g.stats.reached_by_position), self.max_draft_tokens)
-        for j in range(depth):
-            self.pool_accepted[j] += g.stats.accepted_by_position[j]
-            self.pool_reached[j] += g.stats.reached_by_position[j]
+        """Fold a finished generation's drafts kept and reached, by position, into the pool's:
+        its first iteration's into the openings', the others' into the rest."""
+        kept, reached = _after_opening(g)
+        opened, opened_kept = g.stats.opening
+        for j in range(min(len(reached), self.max_draft_tokens)):
+            self.pool_accepted[j] += kept[j]
+            self.pool_reached[j] += reached[j]
+            self.open_accepted[j] += j < opened_kept
+            self.open_reached[j] += j < opened
 
     def calibrate(
         self,
@@ -388,6 +404,14 @@ class SpeculationPolicy:
         if draft_step is not None:
             for rows in _doubling(max_rows):
                 self.draft.observe(rows, _least_of_three(draft_step, rows))
+
+
+def _after_opening(g: Generation) -> tuple[list[int], list[int]]:
+    """The row's drafts kept and reached by position, its first iteration's left out."""
+    opened, opened_kept = g.stats.opening
+    kept = [n - (j < opened_kept) for j, n in enumerate(g.stats.accepted_by_position)]
+    reached = [n - (j < opened) for j, n in enumerate(g.stats.reached_by_position)]
+    return kept, reached
 
 
 def _best_k(forecast: Sequence[tuple[float, float]]) -> int:
