@@ -14,9 +14,8 @@ its own counts shrunk the same way, towards m_j = a_b(j-1) r_j / r_(j-1) (its le
 pool's change along the chain; m_1 = r_1), so a position not yet reached takes the rate of
 the one before it. A row's first iteration (its answer's opening) is counted apart: where
 an answer starts, a draft and its verifier often disagree on the first token (a code fence
-or a sentence: the default pair disagrees on three of four HumanEval chats), and one such
-rejection, counted as the row's, would sink its level at every position and stop it
-drafting for good. A row that has not iterated yet takes the openings' pool, o_j =
+or a sentence), and one such rejection, counted as the row's, would sink its level at every
+position and stop it drafting for good. A row that has not iterated yet takes the openings' pool, o_j =
 (A°_j + P r_j) / (R°_j + P) over the finished generations' first iterations; every later
 iteration's counts (the row's, the pool's r_j) leave the opening out.
 
