@@ -15,9 +15,9 @@ pool's change along the chain; m_1 = r_1), so a position not yet reached takes t
 the one before it. A row's first iteration (its answer's opening) is counted apart: where
 an answer starts, a draft and its verifier often disagree on the first token (a code fence
 or a sentence), and one such rejection, counted as the row's, would sink its level at every
-position and stop it drafting for good. A row that has not iterated yet takes the openings' pool, o_j =
-(A°_j + P r_j) / (R°_j + P) over the finished generations' first iterations; every later
-iteration's counts (the row's, the pool's r_j) leave the opening out.
+position and stop it drafting for good. A row that has not iterated yet takes the openings'
+pool, o_j = (A°_j + P r_j) / (R°_j + P) over the finished generations' first iterations;
+every later iteration's counts (the row's, the pool's r_j) leave the opening out.
 
 and costs
 
