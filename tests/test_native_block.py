@@ -98,3 +98,71 @@ def test_control_another_model_is_far_beyond_the_tolerance(kind, monkeypatch) ->
     _, other, _ = _fused_and_python("llama", kind, monkeypatch, seed=1)
     block = [3, 17, 42, 8]
     assert _gap(LeanBackend(fused).append(block), LeanBackend(other).append(block)) > 0.1
+
+
+def _check_long(kind: str, got, expected, exact) -> None:
+    """``_check`` for a long feed of a quantised kind: with more tokens, more activations meet
+    a code boundary that float rounding moves them across (about 1e-3 of the logits each, and
+    carried to later positions through the cache), so every position within a few such steps
+    (the control's other tokens move them by 0.1 to 0.8)."""
+    if kind == "bf16":
+        return _check(kind, got, expected, exact)
+    gaps = (got.float() - expected.float()).abs().amax(-1) / expected.float().abs().max()  # [T]
+    assert float(gaps.max()) < 2e-2, gaps
+
+
+def _long_feeds(arch: str, kind: str, monkeypatch, swap: bool = False) -> None:
+    """Two rows read feeds of 40 and 23 tokens, then 30 and 17 more: the native and Python
+    blocks' logits of each (``swap``: the Python side reads each feed's first two tokens
+    swapped, the control)."""
+    models = _fused_and_python(arch, kind, monkeypatch)
+    fused, python, exact = (LeanBackend(m, batch=2) for m in models)
+    g = torch.Generator().manual_seed(0)
+    for lengths in ((40, 23), (30, 17)):
+        feeds = [torch.randint(0, 100, (n,), generator=g).tolist() for n in lengths]
+        other = [[f[1], f[0], *f[2:]] for f in feeds] if swap else feeds
+        outs = (
+            fused.append_ragged(feeds, [0, 1]),
+            *(b.append_ragged(other, [0, 1]) for b in (python, exact)),
+        )
+        for got, expected, reference in zip(*outs, strict=True):
+            _check_long(kind, got, expected, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", MODELS)
+def test_long_feeds_attend_in_blocks_as_the_python_block_does(arch, kind, monkeypatch) -> None:
+    """Feeds of more than 16 tokens a row take the blocked attention: from slot 0 (causal as
+    the kernel means it), after cached slots (a mask), on rows of different lengths."""
+    _long_feeds(arch, kind, monkeypatch)
+
+
+def test_control_long_feeds_of_other_tokens_fail_the_check(monkeypatch) -> None:
+    with pytest.raises(AssertionError):
+        _long_feeds("llama", "int8", monkeypatch, swap=True)
+
+
+def _chunked(backend: LeanBackend, prompt: list[int], size: int, shift: bool = False):
+    """The logits after ``prompt`` read ``size`` tokens a forward from an empty row, and the
+    row's keys (``shift``: the control, the first chunk's last token fed twice)."""
+    backend.reset(0)
+    for first in range(0, len(prompt) - 1, size):
+        backend.append(prompt[first : min(first + size, len(prompt) - 1)])
+        if shift and first == 0:
+            backend.append([prompt[size - 1]])
+    keys, _ = backend.cache.layer(1)
+    return backend.append(prompt[-1:]), keys[0, :, : len(prompt) - 1].clone()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_read_in_chunks_is_the_prompt_read_whole(kind, monkeypatch) -> None:
+    """Chunks of 40, 17 and 1 tokens (blocked attention after cached slots, and query by
+    query) leave the keys and give the logits of the whole read; the shifted read fails."""
+    fused = LeanBackend(_fused_and_python("qwen2", kind, monkeypatch)[0])
+    prompt = torch.randint(0, 100, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = _chunked(fused, prompt, len(prompt))
+    for size in (40, 17, 1):
+        got = _chunked(fused, prompt, size)
+        assert all(_gap(a, b) < 2e-2 for a, b in zip(got, whole, strict=True)), size
+    shifted = _chunked(fused, prompt, 17, shift=True)
+    assert not all(_gap(a, b) < 2e-2 for a, b in zip(shifted, whole, strict=True))

@@ -222,3 +222,33 @@ def test_nothing_waits_behind_a_long_prompts_read(smollm, weights: str) -> None:
     assert refused < bound and first < bound, (refused, first, chunk_s)
     refused, first_unchunked, whole = waits_behind_a_long_prompt(model, None)
     assert refused < bound < first_unchunked, (refused, first_unchunked, bound, whole)
+
+
+def test_an_answer_says_how_fast_its_prompt_was_read(one: Served) -> None:
+    """``timings`` (llama-server's shape) counts the prompt tokens the server read: every one
+    but the last (the first iteration reads it) and the cached ones, so the same prompt sent
+    again reads only what its row did not hold; ``/metrics`` adds the same counts. Streamed,
+    the usage chunk carries them too."""
+    body = {"model": MODEL_ID, "prompt": [3000 + i % 50 for i in range(300)], "max_tokens": 4}
+    url = f"{one.url}/v1/completions"
+    before = metrics(one.url)
+    answers = [strict_loads(post_text(url, body)[1]) for _ in range(2)]
+    read = []
+    for answer in answers:
+        usage, timings = answer["usage"], answer["timings"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert timings["prompt_n"] == usage["prompt_tokens"] - 1 - cached, answer
+        assert timings["predicted_n"] == usage["completion_tokens"]
+        if timings["prompt_n"]:
+            rate = timings["prompt_n"] / timings["prompt_ms"] * 1e3
+            assert timings["prompt_per_second"] == pytest.approx(rate)
+        read.append(timings["prompt_n"])
+    assert read[0] == 299 and read[1] < 299  # the second found its prompt cached
+    after = metrics(one.url)
+    assert after["cactus_spec_prompt_read_tokens_total"] == (
+        before["cactus_spec_prompt_read_tokens_total"] + sum(read)
+    )
+    assert after["cactus_spec_prompt_tokens_per_second"] > 0
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = [e[6:] for e in post_text(url, streamed)[1].splitlines() if e.startswith("data: ")]
+    assert strict_loads(events[-2])["timings"]["predicted_n"] == 4

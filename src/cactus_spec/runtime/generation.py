@@ -91,7 +91,11 @@ class GenerationStats:
       (``policy.SpeculationPolicy.chances``);
     - ``cached_prompt_tokens`` / ``draft_cached_prompt_tokens``: prompt tokens the verifier
       / the draft model did not read because their row's cache held them from an earlier
-      sequence (prefix caching, ``prefixes``).
+      sequence (prefix caching, ``prefixes``);
+    - ``read_prompt_tokens`` / ``time_prompt_s``: prompt tokens the verifier read before the
+      first iteration (every one but the cached ones and the last, which the first iteration
+      reads) and the wall time of the forwards that read them (a forward that read several
+      prompts counted whole in each; part of ``time_verify_s``).
     """
 
     iterations: int = 0
@@ -110,6 +114,8 @@ class GenerationStats:
     opening: tuple[int, int] = (0, 0)
     cached_prompt_tokens: int = 0
     draft_cached_prompt_tokens: int = 0
+    read_prompt_tokens: int = 0
+    time_prompt_s: float = 0.0
 
     @property
     def mean_accepted(self) -> float:

@@ -90,6 +90,8 @@ class Counters:
     kl_tokens: int = 0  # their tokens
     kl_unbounded: int = 0  # requests whose rule's law left q's support (KL infinite)
     prompt_tokens: int = 0
+    read_prompt_tokens: int = 0  # prompt tokens read before decoding (not cached)
+    time_prompt_s: float = 0.0  # wall time of those reads
     prefix_queries: int = 0  # requests started (each looks for a cached prefix)
     prefix_hits: int = 0
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"verifier": 0, "draft": 0})
@@ -221,7 +223,7 @@ class Scheduler(Generic[Engine]):
         reading = sorted((g for _, g in self._active if g.reading), key=_unread)
         generations = [g for _, g in self._active if not g.reading]
         if reading:
-            self.engine.prefill(reading, self._prefill_budget(running=bool(generations)))
+            self._read_prompts(reading, running=bool(generations))
             generations = [g for _, g in self._active if not g.reading]
         if not generations:
             return
@@ -247,6 +249,13 @@ class Scheduler(Generic[Engine]):
         neighbouring rows is a view)."""
         if admitted:
             self._active = sorted(self._active + admitted, key=lambda pair: pair[1].row)
+
+    def _read_prompts(self, reading: list[Generation], running: bool) -> None:
+        """Read a budget of the prompts still being read, counting the tokens and the time."""
+        start = time.perf_counter()
+        read = self.engine.prefill(reading, self._prefill_budget(running))
+        self.counters.read_prompt_tokens += read
+        self.counters.time_prompt_s += time.perf_counter() - start
 
     def _prefill_budget(self, running: bool) -> int | None:
         """Prompt tokens to read this turn. With rows decoding: ``prefill_chunk`` per token

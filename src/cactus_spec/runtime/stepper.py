@@ -54,6 +54,11 @@ from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
 from cactus_spec.runtime.verifications import path_rows
 
+#: Most prompt tokens a row reads in one forward: a forward's working memory grows with its
+#: tokens (an [T, I] activation per layer), and the native products run no faster a token
+#: beyond a few hundred rows (docs/RESULTS.md, "Prompt reads"); a longer read takes several.
+PROMPT_PIECE = 256
+
 #: A row's stopping rule within an iteration: given the draft's probability of each token it
 #: drew so far, whether to draw another.
 Stopping = Callable[[Sequence[float]], bool]
@@ -125,8 +130,8 @@ class Stepper:
     def prefill(self, generations: Sequence[Generation], budget: int | None = None) -> int:
         """Feed the verifier the generations' unread prompt tokens (all but each prompt's
         last, which the first iteration feeds with the drafts), in the generations' order
-        and at most ``budget`` in all (None: every one), in as few forwards as padding
-        allows; counted as verifier time. Returns the tokens read. The drafter reads a
+        and at most ``budget`` in all (None: every one), in as few forwards as padding and
+        ``PROMPT_PIECE`` allow; counted as verifier time. Returns the tokens read. The drafter reads a
         prompt only when its row first drafts (``drafters``)."""
         chunks: list[tuple[Generation, list[int]]] = []
         left = budget
@@ -140,10 +145,16 @@ class Stepper:
             return 0
         start = time.perf_counter()
         pieces = [piece for _, piece in chunks]
-        self.verifier.append_ragged(pieces, [g.row for g, _ in chunks], last_only=True)
+        rows = [g.row for g, _ in chunks]
+        for first in range(0, max(len(piece) for piece in pieces), PROMPT_PIECE):
+            part = [(piece[first : first + PROMPT_PIECE], row) for piece, row in zip(pieces, rows)]
+            part = [(ids, row) for ids, row in part if ids]
+            self.verifier.append_ragged([ids for ids, _ in part], [r for _, r in part], True)
         elapsed = self._elapsed(start)
         for g, piece in chunks:
             g.read += len(piece)
+            g.stats.read_prompt_tokens += len(piece)
+            g.stats.time_prompt_s += elapsed
             g.stats.time_verify_s += elapsed
         return sum(len(piece) for piece in pieces)
 

@@ -119,7 +119,28 @@ class Answer:
                 choice = {"index": index, "text": result.text, "logprobs": logprobs}
             choice["finish_reason"] = _finish(result, calls)
             choices.append(choice)
-        return {**self.envelope(stream=False), "choices": choices, "usage": self.usage(results)}
+        return {
+            **self.envelope(stream=False),
+            "choices": choices,
+            "usage": self.usage(results),
+            "timings": self.timings(results),
+        }
+
+    def timings(self, results: Sequence[GenerationResult]) -> dict:
+        """How fast the prompt was read and the answer written, in llama-server's ``timings``
+        shape: ``prompt_*`` over the prompt tokens read (cached ones are not), ``predicted_*``
+        over the new tokens and the time after the prompt's read; each the longest of the
+        choices' times (their rows run side by side)."""
+        stats = [r.stats for r in results]
+        prompts = stats[:: self.n]
+        read = sum(s.read_prompt_tokens for s in prompts)
+        reading = max((s.time_prompt_s for s in prompts), default=0.0)
+        writing = max((s.time_total_s - s.time_prompt_s for s in stats), default=0.0)
+        predicted = sum(len(r.token_ids) for r in results)
+        return {
+            **{f"prompt_{key}": value for key, value in _rates(read, reading).items()},
+            **{f"predicted_{key}": value for key, value in _rates(predicted, writing).items()},
+        }
 
     def usage(self, results: Sequence[GenerationResult]) -> dict:
         """Tokens and speculation figures, summed over the choices; each prompt counted once,
@@ -148,6 +169,16 @@ class Answer:
                 **bound,
             },
         }
+
+
+def _rates(tokens: int, seconds: float) -> dict:
+    """Tokens, milliseconds, milliseconds a token and tokens a second (0 where none)."""
+    return {
+        "n": tokens,
+        "ms": 1e3 * seconds,
+        "per_token_ms": 1e3 * seconds / tokens if tokens else 0.0,
+        "per_second": tokens / seconds if seconds else 0.0,
+    }
 
 
 def _finish(result: GenerationResult, calls: Sequence[dict]) -> str:

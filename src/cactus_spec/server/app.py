@@ -524,6 +524,7 @@ class _Handler:
                     **answer.envelope(stream=True),
                     "choices": [],
                     "usage": answer.usage(ordered),
+                    "timings": answer.timings(ordered),
                 }
                 try:
                     yield sse(last)

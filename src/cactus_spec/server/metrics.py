@@ -63,6 +63,25 @@ def prometheus_text(scheduler: Scheduler, invalid: int = 0, unanswered: int = 0)
         {"": c.prompt_tokens},
     )
     metric(
+        "prompt_read_tokens_total",
+        "counter",
+        "Prompt tokens read before decoding (not cached).",
+        {"": c.read_prompt_tokens},
+    )
+    metric(
+        "prompt_read_seconds_total",
+        "counter",
+        "Wall time reading those prompt tokens.",
+        {"": c.time_prompt_s},
+    )
+    prompt_rate = c.read_prompt_tokens / c.time_prompt_s if c.time_prompt_s else 0.0
+    metric(
+        "prompt_tokens_per_second",
+        "gauge",
+        "Prompt tokens read per second of reading since start.",
+        {"": prompt_rate},
+    )
+    metric(
         "prefix_cache_queries_total",
         "counter",
         "Started requests (each looks for a cached prefix).",

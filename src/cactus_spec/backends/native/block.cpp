@@ -31,13 +31,13 @@ namespace {
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, rows of length e.
 void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float eps, float* out) {
-  for (int64_t r = 0; r < m; ++r) {
+  for_rows(m, [&](int64_t r) {
     const float* row = x + r * e;
     float squares = 0.0f;
     for (int64_t i = 0; i < e; ++i) squares += row[i] * row[i];
     const float inv = 1.0f / std::sqrt(squares / static_cast<float>(e) + eps);
     for (int64_t i = 0; i < e; ++i) out[r * e + i] = weight[i] * (row[i] * inv);
-  }
+  });
 }
 
 // Rotary embedding in place on `heads` heads of size d: x cos + (-x2, x1) sin.
@@ -220,12 +220,45 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
   });
 }
 
+// Up to this many new tokens per row, attention runs query by query (attend): a prompt's
+// chunk of more runs as blocked matrix products (attend_blocked), as the Python block does.
+constexpr int64_t kQueryByQuery = 16;
+
+// attended [m, heads, d] as attend<false> computes it, for long causal feeds: per row, torch's
+// scaled_dot_product_attention (its CPU kernel is blocked and flash-style: it reads each block
+// of keys once per block of queries, where attend reads every key once per query) in the
+// cache's dtype, the row's queries rounded to it as its keys are. A feed from slot 0 is
+// causal as the kernel means it; a later one sees its cached slots through a mask.
+void attend_blocked(const Tokens& tk, const float* q, const torch::Tensor& keys,
+                    const torch::Tensor& values, float* attended) {
+  for (int64_t i = 0; i < tk.b; ++i) {
+    const int64_t seen = tk.starts[i] + tk.count, size = tk.count * tk.heads * tk.d;
+    auto query = torch::from_blob(const_cast<float*>(q) + i * size, {1, tk.count, tk.heads, tk.d})
+                     .transpose(1, 2)
+                     .to(keys.scalar_type());  // [1, H, T, D]
+    auto row_keys = keys.select(0, tk.rows[i]).narrow(1, 0, seen).unsqueeze(0);  // [1, H_kv, S, D]
+    auto row_values = values.select(0, tk.rows[i]).narrow(1, 0, seen).unsqueeze(0);
+    std::optional<torch::Tensor> mask;
+    if (tk.starts[i] > 0) {
+      auto slots = torch::arange(seen, torch::kLong);
+      auto places = torch::arange(tk.starts[i], seen, torch::kLong);
+      mask = slots.unsqueeze(0) <= places.unsqueeze(1);  // [T, S]
+    }
+    auto out = at::scaled_dot_product_attention(query, row_keys, row_values, mask, 0.0,
+                                                /*is_causal=*/!mask, std::nullopt,
+                                                /*enable_gqa=*/true);  // [1, H, T, D]
+    torch::from_blob(attended + i * size, {tk.count, tk.heads, tk.d})
+        .copy_(out.squeeze(0).transpose(0, 1));
+  }
+}
+
 // Rotary embeddings, the cache write and attention, for the cache's element type.
 void attention(const Tokens& tk, float* q, float* k, const float* v, const torch::Tensor& cos,
                const torch::Tensor& sin, const torch::Tensor& keys, const torch::Tensor& values,
                float* attended) {
   const torch::Tensor c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
   const int64_t capacity = keys.size(2);
+  const bool blocked = !tk.mask && tk.count > kQueryByQuery;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, keys.scalar_type(), "attention", [&] {
     scalar_t* key_cache = keys.data_ptr<scalar_t>();
     scalar_t* value_cache = values.data_ptr<scalar_t>();
@@ -233,10 +266,11 @@ void attention(const Tokens& tk, float* q, float* k, const float* v, const torch
                      value_cache, capacity);
     if (tk.mask) {
       attend<true>(tk, q, key_cache, value_cache, capacity, attended);
-    } else {
+    } else if (!blocked) {
       attend<false>(tk, q, key_cache, value_cache, capacity, attended);
     }
   });
+  if (blocked) attend_blocked(tk, q, keys, values, attended);
 }
 
 // The mask's entries [b, count, S'] (null when there is none), checked to cover every slot a
@@ -287,14 +321,22 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
 
   std::vector<float> hidden(m * e), gate(m * inner), up(m * inner), down(m * e);
   Kernel::products(Kernel::input(attended.data(), m, heads * d, w[kO]), w[kO], hidden.data());
-  for (int64_t i = 0; i < m * e; ++i) hidden[i] += in[i];
+  for_rows(m, [&](int64_t r) {
+    for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += in[i];
+  });
   rms_norm(hidden.data(), m, e, params[1].data_ptr<float>(), epsilon, normed.data());
   rows_in = Kernel::input(normed.data(), m, e, w[kGate]);
   Kernel::products(rows_in, w[kGate], gate.data());
   Kernel::products(rows_in, w[kUp], up.data());
-  for (int64_t i = 0; i < m * inner; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  for_rows(m, [&](int64_t r) {
+    for (int64_t i = r * inner; i < (r + 1) * inner; ++i) {
+      gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+  });
   Kernel::products(Kernel::input(gate.data(), m, inner, w[kDown]), w[kDown], down.data());
-  for (int64_t i = 0; i < m * e; ++i) hidden[i] += down[i];
+  for_rows(m, [&](int64_t r) {
+    for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += down[i];
+  });
   return torch::from_blob(hidden.data(), x.sizes(), torch::kFloat).to(x.scalar_type(), false, true);
 }
 

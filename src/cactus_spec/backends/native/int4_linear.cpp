@@ -233,7 +233,7 @@ SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
   const int64_t k4 = padded_k(k), groups = k4 / kGroup;
   SignedRows rows{std::vector<int8_t>(m * k4, 0), std::vector<float>(m),
                   std::vector<int32_t>(m * groups, 0), k4};
-  for (int64_t r = 0; r < m; ++r) {
+  for_rows(m, [&](int64_t r) {
     const float* row = x + r * k;
     float top = 0.0f;
     for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(row[i]));
@@ -246,7 +246,7 @@ SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
       rows.sums[r * groups + i / kGroup] += out[i];
     }
     rows.step[r] = step;
-  }
+  });
   return rows;
 }
 

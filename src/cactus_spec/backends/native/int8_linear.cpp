@@ -192,7 +192,7 @@ Rows quantise_rows(const float* x, int64_t m, int64_t k) {
   const int64_t tiles = (m + tile_rows(m) - 1) / tile_rows(m);
   Rows rows{std::vector<uint8_t>(tiles * tile_rows(m) * padded_k(k), 0), std::vector<float>(m),
             std::vector<float>(m), padded_k(k)};
-  for (int64_t r = 0; r < m; ++r) {
+  for_rows(m, [&](int64_t r) {
     const float* row = x + r * k;
     float low = row[0], high = row[0];
     for (int64_t i = 1; i < k; ++i) {
@@ -207,7 +207,7 @@ Rows quantise_rows(const float* x, int64_t m, int64_t k) {
     }
     rows.mid[r] = low + 128.0f * step;
     rows.step[r] = step;
-  }
+  });
   return rows;
 }
 

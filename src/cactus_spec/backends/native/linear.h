@@ -5,10 +5,21 @@
 // then multiplies them by a packed weight into float32 sums.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <vector>
+
+// each(r) for r in [0, m), rows split among torch's threads where there are enough of them to
+// pay for it (a prompt's chunk), on the calling thread otherwise (a decode step's few rows).
+template <class F>
+void for_rows(int64_t m, const F& each) {
+  constexpr int64_t kRowsPerThread = 16;
+  at::parallel_for(0, m, kRowsPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) each(r);
+  });
+}
 
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
