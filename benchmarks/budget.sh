@@ -9,7 +9,7 @@
 #   STAGES="8 16" sh benchmarks/budget.sh
 set -e
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/report}
+OUT=${OUT:-bench-out}
 STAGES=${STAGES:-"8 16 32 50"}
 BENCH=".venv/bin/cactus-spec bench --max-new-tokens 256 --max-batch ${MAX_BATCH:-8} --no-progress"
 for n in $STAGES; do

@@ -1,7 +1,7 @@
 """The int8 and int4 products at each instruction-set level this CPU can run, against torch's
 own kernels held to the same level: which to use on each, measured.
 
-    python benchmarks/isa_kernels.py --out benchmarks/report/isa-kernels [--repeats 30]
+    python benchmarks/isa_kernels.py --out bench-out/isa-kernels [--repeats 30]
 
 For each level (``isa.available()``, plus the CPU's own), a child process with
 ``CACTUS_SPEC_ISA`` set times, on the default pair's layer shapes (the 1.5B verifier's

@@ -9,7 +9,7 @@
 #   MAX_BATCH=4 STAGES="32 64" sh benchmarks/quality.sh
 set -e
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/report}
+OUT=${OUT:-bench-out}
 STAGES=${STAGES:-"32 64 112 164 200"}
 BENCH=".venv/bin/cactus-spec bench --max-new-tokens 512 --max-batch ${MAX_BATCH:-8} --no-progress"
 for n in $STAGES; do

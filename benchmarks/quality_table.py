@@ -1,6 +1,6 @@
-"""The quality tables of benchmarks/REPORT.md from the two runs of benchmarks/quality.sh.
+"""The quality tables of docs/RESULTS.md from the two runs of benchmarks/quality.sh.
 
-    .venv/bin/python benchmarks/quality_table.py [benchmarks/report]
+    .venv/bin/python benchmarks/quality_table.py [bench-out]
 
 Per configuration: HumanEval pass@1 and GSM accuracy (stated form; last number beside it),
 each with its 95% Wilson interval and the paired Newcombe difference from AR; mean accepted
@@ -79,4 +79,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/report"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-out"))

@@ -35,16 +35,15 @@ import argparse
 import contextlib
 import itertools
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+from launcher import free_port, launched
 
 from cactus_spec.bench.tasks import humaneval_items
 from cactus_spec.files import write_text_atomic
@@ -302,9 +301,9 @@ def plot(out: Path, rows: list[dict]) -> None:
 
 
 @contextlib.contextmanager
-def served(args, max_batch: int, log: Path):
+def served(args, max_batch: int, log: Path) -> Iterator[str]:
     """``cactus-spec serve`` in its own process (policy auto), until it answers /health."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "cactus_spec", "serve", "--verifier", args.verifier,
         "--draft", args.draft, "--verifier-quant", args.verifier_quant,
@@ -312,28 +311,8 @@ def served(args, max_batch: int, log: Path):
         "--max-queue", "256", "--port", str(port), "--served-model-name", "bench",
         *args.server_args.split(),
     ]  # fmt: skip
-    with log.open("w") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"the server exited ({server.returncode}); see {log}")
-                try:
-                    urllib.request.urlopen(f"{url}/health", timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(1)
-            yield url
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with launched(command, port, log) as server:
+        yield server.url
 
 
 def main() -> None:

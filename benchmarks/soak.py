@@ -47,8 +47,6 @@ import json
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -61,6 +59,7 @@ from pathlib import Path
 import httpx2
 import openai
 import psutil
+from launcher import Server, free_port, launched
 
 from cactus_spec.files import write_text_atomic
 
@@ -429,69 +428,19 @@ def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-@dataclass
-class Server:
-    """The server process; ``exit`` is filled in once it has been stopped."""
-
-    url: str
-    process: subprocess.Popen
-    log: Path
-    exit: dict = field(default_factory=dict)
-
-
 @contextlib.contextmanager
 def served(args: argparse.Namespace, log: Path) -> Iterator[Server]:
     """``cactus-spec serve`` in its own process and session, until it answers /health; at
-    the end, SIGTERM and the time it takes to exit."""
-    port = _free_port()
+    the end, SIGTERM and the time it takes to exit (``Server.exit``)."""
+    port = free_port()
     draft = ["--draft", args.draft] if args.drafter == "model" else []
     command = [
         sys.executable, "-m", "cactus_spec", "serve", "--verifier", args.verifier,
         "--drafter", args.drafter, *draft, "--max-batch", str(args.max_batch),
         "--max-queue", str(args.max_queue), "--port", str(port), "--served-model-name", MODEL,
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        server = Server(f"http://127.0.0.1:{port}", process, log)
-        try:
-            _wait_healthy(server)
-            yield server
-        finally:
-            server.exit = _stop(process)
-
-
-def _wait_healthy(server: Server) -> None:
-    while True:
-        if server.process.poll() is not None:
-            raise SystemExit(f"the server exited ({server.process.returncode}); see {server.log}")
-        try:
-            urllib.request.urlopen(f"{server.url}/health", timeout=1).close()
-            return
-        except OSError:
-            time.sleep(1)
-
-
-def _stop(process: subprocess.Popen) -> dict:
-    """SIGTERM, then SIGKILL after ``EXIT_WAIT_S``: how long it took and the exit code."""
-    died_before = process.poll()
-    start = time.perf_counter()
-    process.terminate()
-    try:
-        code = process.wait(timeout=EXIT_WAIT_S)
-        killed = False
-    except subprocess.TimeoutExpired:
-        process.kill()
-        code, killed = process.wait(), True
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "code": code, "killed": killed, "died_before": died_before}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with launched(command, port, log, new_session=True, exit_wait_s=EXIT_WAIT_S) as server:
+        yield server
 
 
 class Monitor(threading.Thread):
