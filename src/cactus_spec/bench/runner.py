@@ -79,9 +79,8 @@ def as_verifiers(verifiers: Verifiers) -> dict[str, LoadedModel]:
 
 
 #: Items per chunk, in batches of B. Each chunk ends in a tail where fewer and fewer rows
-#: are left while a step costs about as much, so longer chunks keep the batch fuller: at 8
-#: rows on this project's Xeon, GSM AR ran at 20.7 and 23.5 tokens/s in 16-item chunks and
-#: 28.7 in the next 32 items' chunk (int8 verifier: 22.6, 22.3 -> 27.7).
+#: are left while a step costs about as much, so longer chunks keep the batch fuller
+#: (measured in the quality runs: ``docs/RESULTS.md``, "Quality: executed HumanEval and GSM").
 CHUNK_BATCHES = 6
 
 

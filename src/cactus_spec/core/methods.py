@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from cactus_spec.core.rules import TAS, Cactus, Interp, Rule, SpS, TopK
 
-#: Drafted tokens per iteration: the best measured K on the default pair (README benchmark).
+#: Drafted tokens per iteration when K is fixed: the quality and speed runs' K
+#: (``docs/RESULTS.md``).
 DEFAULT_NUM_DRAFT_TOKENS = 10
 DEFAULT_METHOD = "cactus"
 

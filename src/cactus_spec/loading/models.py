@@ -106,8 +106,8 @@ def _cpu_has_fast_bf16() -> bool:
 def resolve_verifier_quant(quant: str) -> str:
     """``quant``, or for ``auto`` the verifier format that fits this CPU at its level
     (``isa``): its dense weights where it computes in bfloat16, else int8 where the native
-    kernels run (held to AVX2, the 1.5B verifier alone decoded 7.5x faster in int8 than in
-    float32, at a measured KL of 0.009 nats/token from bfloat16, reported with every result)."""
+    kernels run (without bfloat16 arithmetic int8 decodes several times faster than float32,
+    and its KL from bfloat16 is measured and reported with every result; ``docs/RESULTS.md``)."""
     if quant != "auto":
         return check_quant(quant, "verifier_quant")
     from cactus_spec.backends import native

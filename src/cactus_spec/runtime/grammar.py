@@ -2,10 +2,10 @@
 
 A ``Grammar`` says what the output must match: a JSON schema, any JSON object, a regular
 expression, or a grammar in Lark or GBNF. ``Grammars`` compiles it with llguidance (MIT;
-chosen by measurement on the default pair's 151,936-token vocabulary: sub-millisecond
-compiles, 7 µs median masks, rollback, only canonical tokens where text is forced;
-``benchmarks/grammar_engines.py``) against the engine's tokenizer, and a ``Constraint`` is
-one generation's matcher.
+chosen against xgrammar and outlines-core on the default pair's vocabulary for its
+compile and mask costs, rollback and canonical tokens where text is forced;
+``docs/DESIGN.md``, "Structured outputs and tool calls") against the engine's tokenizer,
+and a ``Constraint`` is one generation's matcher.
 
 The law. At a position whose context is the output o plus drafts d_1..d_j, the grammar
 allows the token set A(o d_1..d_j), and both distributions are masked and renormalised

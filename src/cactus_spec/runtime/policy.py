@@ -55,10 +55,10 @@ stop never looks at the verifier: every rule keeps its law. A draft tree is grow
 chosen, without that stop.
 
 A machine's speed changes under the policy: thermal limits and turbo on a laptop, other
-tenants' memory traffic on a shared host (the EPYC of ``benchmarks/REPORT.md`` flips between
-two speeds 1.45x apart every 10-40 s). An iteration measures only the sizes it runs, so
+tenants' memory traffic on a shared host (``docs/RESULTS.md``: the machines there drift
+by up to 1.6x within minutes). An iteration measures only the sizes it runs, so
 without a common scale the plain step timed in one state is weighed against draft steps and
-blocks timed in the other: a 1.2x gain reads as a loss, and a policy that drafts nothing
+blocks timed in the other: a gain reads as a loss, and a policy that drafts nothing
 measures no drafting to correct it. So the costs are read against a ``Pace`` p: every
 verifier forward moves log p by ``_PACE`` times the log of its surprise (measured over
 estimated seconds), every measurement is stored divided by p and read multiplied by it,
@@ -481,8 +481,9 @@ def _timed_steps(drafter: Drafter, rows: int) -> float:
     """Seconds a draft step costs the stepper over ``rows`` rows: one proposal of
     ``_CALIBRATION_STEPS`` drafts each at the default sampling, every row's drafter the
     steady lag behind a context of ``_CONTEXT`` tokens, over the steps; so the lag's read,
-    the forwards and the sampling, what an iteration's steps cost (8 rows of the default
-    draft: a forward alone 30 ms, a step 40-65 ms, ``benchmarks/REPORT.md``)."""
+    the forwards and the sampling, what an iteration's steps cost (a step costs a third or
+    more over a bare forward; ``docs/DESIGN.md``, "Serving: prefix caching, chunked prefill,
+    the policy")."""
     prefix, tail = [0] * _CONTEXT, [1] * _STEADY_LAG
     sampling, generator = SamplingConfig(), torch.Generator().manual_seed(0)
 

@@ -3,9 +3,8 @@
 One thread owns the models, best the one that loaded them (``run`` the loop on it; ``start``
 runs it on a thread of its own, for tests and embedding). torch's OpenMP runtime keeps a
 team of workers for each thread that ran a parallel region; once they outnumber the CPUs,
-they sleep between regions instead of spinning, and every kernel pays a wake-up: a decode
-thread beside the loading thread's idle team ran the default pair about 10 ms a token slower
-on 2 cores (``benchmarks/REPORT.md``).
+they sleep between regions instead of spinning, and every kernel pays a wake-up
+(``docs/DESIGN.md``, the end of "Instruction-set levels: AVX2 beside AVX512 and AMX").
 
 Each turn of its loop it admits waiting requests into free rows (each into the free row that
 holds the longest prefix of its prompt: prefix caching), drops cancelled ones, reads up to
@@ -18,8 +17,7 @@ running row at most one chunk's forward per iteration, not the whole prompt's, a
 request arriving while nothing decodes waits for a few chunks of it; and requests
 sent together are one batch to the policy: the first one, read alone while the others
 arrive, would otherwise look like a lone stream worth drafting for, and its drafter would
-read its prompt and draft while the others wait (about 0.6 s a burst on a 2-core EPYC,
-``benchmarks/REPORT.md``). A bounded queue gives backpressure:
+read its prompt and draft while the others wait. A bounded queue gives backpressure:
 ``submit`` raises ``QueueFullError`` when it is full.
 
 Callbacks (``on_text``, ``on_done``, ``on_error``) run on the scheduler's thread: they must
@@ -48,9 +46,9 @@ from cactus_spec.runtime.policy import SpeculationPolicy
 from cactus_spec.runtime.rows import Rows
 from cactus_spec.runtime.stepper import StepTiming
 
-#: Prompt tokens a server reads per iteration (``prefill_chunk``): on a 2-core EPYC a chunk
-#: of 64 costs the default bf16 verifier 333 ms, six one-token forwards (53 ms; 128 cost
-#: 615 ms; ``benchmarks/forward_cost.py --tokens 1,64,128``).
+#: Prompt tokens a server reads per iteration (``prefill_chunk``): a chunk costs a running
+#: row a few one-token forwards, not a whole prompt's read (``docs/RESULTS.md``,
+#: "Serving under load"; ``benchmarks/forward_cost.py --tokens 1,64,128`` measures it).
 PREFILL_CHUNK = 64
 
 #: Chunks read per turn while no row decodes: each chunk streams the weights once more, and

@@ -131,8 +131,8 @@ class Stepper:
         """Feed the verifier the generations' unread prompt tokens (all but each prompt's
         last, which the first iteration feeds with the drafts), in the generations' order
         and at most ``budget`` in all (None: every one), in as few forwards as padding and
-        ``PROMPT_PIECE`` allow; counted as verifier time. Returns the tokens read. The drafter reads a
-        prompt only when its row first drafts (``drafters``)."""
+        ``PROMPT_PIECE`` allow; counted as verifier time. Returns the tokens read. The
+        drafter reads a prompt only when its row first drafts (``drafters``)."""
         chunks: list[tuple[Generation, list[int]]] = []
         left = budget
         for g in generations:
@@ -145,11 +145,7 @@ class Stepper:
             return 0
         start = time.perf_counter()
         pieces = [piece for _, piece in chunks]
-        rows = [g.row for g, _ in chunks]
-        for first in range(0, max(len(piece) for piece in pieces), PROMPT_PIECE):
-            part = [(piece[first : first + PROMPT_PIECE], row) for piece, row in zip(pieces, rows)]
-            part = [(ids, row) for ids, row in part if ids]
-            self.verifier.append_ragged([ids for ids, _ in part], [r for _, r in part], True)
+        self._read_prompts(pieces, [g.row for g, _ in chunks])
         elapsed = self._elapsed(start)
         for g, piece in chunks:
             g.read += len(piece)
@@ -157,6 +153,13 @@ class Stepper:
             g.stats.time_prompt_s += elapsed
             g.stats.time_verify_s += elapsed
         return sum(len(piece) for piece in pieces)
+
+    def _read_prompts(self, pieces: list[list[int]], rows: list[int]) -> None:
+        """Feed ``rows[i]`` the tokens ``pieces[i]``, at most ``PROMPT_PIECE`` a row a forward."""
+        for first in range(0, max(len(ids) for ids in pieces), PROMPT_PIECE):
+            part = [(ids[first : first + PROMPT_PIECE], row)
+                    for ids, row in zip(pieces, rows, strict=True) if len(ids) > first]  # fmt: skip
+            self.verifier.append_ragged([ids for ids, _ in part], [r for _, r in part], True)
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting (0 without

@@ -6,11 +6,10 @@
 // kKStep with zeros): 64 bytes hold 2 consecutive inputs of 16 outputs, which is the layout
 // of an AMX B tile, so 16 such groups (1 KB, contiguous) are one tile of 32 inputs by 16
 // outputs. A 64-output stripe of the weight streams from memory once while every tile of up
-// to 16 input rows passes over it. One row costs as much as 16, and on this project's Xeon
-// a one-row product streams the weight at ~33 GB/s against oneDNN's ~24 (8960 x 1536:
-// 0.84 against 1.13 ms; the 151936-output head: 15.7 against 25.9 ms), 11 rows at 33-38
-// against 24. Each output element's sum runs in the same order whatever the other rows, so
-// a row gives the same bits alone as in any block.
+// to 16 input rows passes over it. One row costs as much as 16, and it streams faster than
+// oneDNN's bf16 product at one row and at a verifier's block (benchmarks/forward_cost.py
+// --configs none:native,none:onednn). Each output element's sum runs in the same order
+// whatever the other rows, so a row gives the same bits alone as in any block.
 // Where the CPU has no AMX but AVX512-BF16, one vdpbf16ps adds a row's next two inputs
 // (broadcast) times 16 outputs' weights to 16 float32 sums, for up to kRowTile rows per pass
 // over a stripe, the weight prefetched into L2 ahead (as int4_linear.cpp). has_bf16() says
@@ -40,8 +39,9 @@ constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padd
 constexpr int64_t kKStep = 32;                  // inputs per tile (K is padded to it)
 constexpr int64_t kTileRows = 16;               // input rows per AMX tile at most
 // Input rows per pass over a stripe (AVX512; rows_per_pass): 24 of the 32 vector registers hold
-// 6 rows' sums of a stripe. On this project's EPYC an 11-row pass over a decoder block's
-// products took 3.6 ms with 6 rows per pass (6 + 5) against 4.1 with 4; one row is unchanged.
+// 6 rows' sums of a stripe: an 11-row block is two passes (6 + 5), measured faster than
+// passes of 4 (benchmarks/forward_cost.py --tokens 11 --configs none:native); one row is
+// unchanged.
 constexpr int kRowTile = 6;
 constexpr int64_t kAhead = 512;                 // bytes of each block prefetched ahead (AVX512)
 

@@ -63,9 +63,8 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
       for (int b = 0; b < kBlocks; ++b) dots[r][b] = _mm512_setzero_si512();
     const uint8_t* group = codes + g * kGroupBytes;
     // The hardware prefetchers fall behind a stream this dense in work per byte: ask for the
-    // group kAhead further on (into L2; the next stripe's, past this one's end). On this
-    // project's EPYC a 4864 x 896 layer streamed at ~15 GB/s without, ~23 with (of the 29
-    // GB/s two threads read from memory); nearer or into L1 helped less.
+    // group kAhead further on (into L2; the next stripe's, past this one's end): measured
+    // faster than none, nearer, or into L1 (benchmarks/kernel_cost.py --kind int4).
     const char* next = reinterpret_cast<const char*>(group + kAhead * kGroupBytes);
     for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
     for (int i = 0; i < 8; ++i) {

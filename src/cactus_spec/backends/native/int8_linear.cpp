@@ -9,17 +9,15 @@
 //
 // Layout: the weight is packed as [N / 16, K / 4, 16, 4] (N padded to kOutTile, K to kKStep with
 // zeros): 64 bytes hold 4 consecutive inputs of 16 outputs. For blocks of rows where the CPU has
-// AMX (11 rows of the 1.5B verifier: 88 against 114 ms a forward), 16 such groups (1 KB,
-// contiguous) are one B tile of 64 inputs by 16 outputs, and tdpbusd adds a tile of up to 16
-// rows' products to 16 outputs per row; elsewhere one AVX512-VNNI vpdpbusd against 4 inputs of a
-// row broadcast to all lanes adds their products to 16 outputs at once, with no horizontal sums
-// (one row: 58 against 60 ms). Both sum in int32, exactly, so they give the same bits. A stripe
-// of kBlocks * 16 outputs stays in the L2 cache while every tile of input rows passes over it,
-// so the weight is read from memory once per call. With VNNI a block of up to 12 rows (a
-// verifier's 11) is one pass, 2 groups at a time, so the products keep pace with the stream
-// from memory instead of following it: on this project's AVX512-BF16 EPYC 11 rows against
-// 8960 x 1536 weights streamed from memory took 0.58-0.61 ms a layer against 0.67-0.68 with
-// passes of 4 rows, and one row 0.39-0.43 (benchmarks/kernel_cost.py).
+// AMX, 16 such groups (1 KB, contiguous) are one B tile of 64 inputs by 16 outputs, and tdpbusd
+// adds a tile of up to 16 rows' products to 16 outputs per row; elsewhere one AVX512-VNNI
+// vpdpbusd against 4 inputs of a row broadcast to all lanes adds their products to 16 outputs
+// at once, with no horizontal sums. Both sum in int32, exactly, so they give the same bits. A
+// stripe of kBlocks * 16 outputs stays in the L2 cache while every tile of input rows passes
+// over it, so the weight is read from memory once per call. With VNNI a block of up to 12 rows
+// (a verifier's 11) is one pass, 2 groups at a time, so the products keep pace with the stream
+// from memory instead of following it (docs/RESULTS.md, "Kernels by instruction set";
+// benchmarks/kernel_cost.py).
 
 #include "linear.h"
 
@@ -66,8 +64,7 @@ constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padde
 // takes at a time (kGroupsAtOnce<R>; see the header for why one pass). VNNI: up to 4 rows over
 // all 4 groups (16 sums of 32 registers), 5 to 12 over 2 at a time (24 sums). AVX2: up to 4
 // rows over all 4 groups; their 8 R sums outgrow the 16 registers, yet a group at a time (no
-// spills, but each row's inputs prepared 4 times) ran slower held to AVX2 (11 rows: 1.48 and
-// 1.61 ms a layer against 1.32 and 1.26).
+// spills, but each row's inputs prepared 4 times) ran slower held to AVX2 (kernel_cost.py).
 #ifdef CACTUS_VNNI
 constexpr int kRowTile = 12;
 template <int R>
