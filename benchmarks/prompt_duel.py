@@ -45,6 +45,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--verifier-quant", default="int8")
     parser.add_argument("--isa", default="native", choices=("native", "avx2"))
+    parser.add_argument(
+        "--llama-build", default="avx512", choices=("native", "avx512", "avx2"),
+        help="llama.cpp's level: avx512 is -march=native without AMX, whose ggml path "
+        "(ggml_backend_amx_mul_mat) crashed at warm-up on this project's AMX Xeon",
+    )  # fmt: skip
     args = parser.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +81,7 @@ def _start(stack: ExitStack, args, context: int) -> dict[str, str]:
     cli = Path(sys.executable).with_name("cactus-spec")
     ours = [str(cli), "serve", "--port", str(ours_port), "--max-batch", "1", "--threads", "2",
             "--verifier-quant", args.verifier_quant, "--no-prefix-cache"]  # fmt: skip
-    binary = build(Path(args.llama_cpp), args.isa)
+    binary = build(Path(args.llama_cpp), args.llama_build)
     llama = [str(binary), "-m", gguf, "--port", str(llama_port), "-t", "2", "-c", str(context),
              "-np", "1"]  # fmt: skip
     env = {**os.environ, "CACTUS_SPEC_ISA": args.isa}

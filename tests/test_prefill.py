@@ -216,3 +216,18 @@ def test_prompts_read_in_one_forward_give_the_logits_they_give_alone() -> None:
     for row, (prompt, logits) in enumerate(zip(prompts, together, strict=True)):
         backend.reset(row)
         torch.testing.assert_close(logits, backend.append(prompt, row=row), rtol=0, atol=1e-5)
+
+
+def test_a_request_that_does_not_draft_leaves_the_drafts_cache_untouched() -> None:
+    """An AR request reads its prompt into the verifier only: the draft model's row stays
+    empty (white-box), and a drafting request after it on the same row decodes the tokens it
+    decodes on a fresh engine. The control, a drafting request, fills the draft's row."""
+    d = engine()
+    drafts_row = d._drafter.backend.length_of  # white-box: the draft model's cache
+    ar = Request(prompt_ids=LONG, max_new_tokens=12, sampling=SAMPLING, seed=0, spec=AR)
+    sps = Request(prompt_ids=LONG[:50], max_new_tokens=12, sampling=SAMPLING, seed=1)
+    d.decode_many([ar])
+    assert drafts_row(0) == 0
+    after = d.decode_many([sps])[0].token_ids
+    assert drafts_row(0) >= 50  # the control: a drafting request reads its prompt there
+    assert after == engine().decode_many([sps])[0].token_ids
