@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     from cactus_spec import isa
-    from cactus_spec.bench.provenance import cpu_name
+    from cactus_spec.isa import cpu_name
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

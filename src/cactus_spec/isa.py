@@ -50,14 +50,29 @@ _TORCH = {
 }
 
 
+@functools.cache
+def _cpuinfo() -> list[str]:
+    """The lines of /proc/cpuinfo, read once (none where it is not there)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _cpuinfo_field(*names: str) -> str | None:
+    """The value of the first /proc/cpuinfo line naming one of ``names``."""
+    line = next((x for x in _cpuinfo() if x.startswith(names)), None)
+    return None if line is None else line.partition(":")[2].strip()
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags as /proc/cpuinfo lists them (none where it is not there)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((x for x in text.splitlines() if x.startswith(("flags", "Features"))), "")
-    return frozenset(line.partition(":")[2].split())
+    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def available(flags: frozenset[str] | None = None) -> list[str]:

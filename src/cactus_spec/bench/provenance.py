@@ -32,17 +32,6 @@ def model_identity(loaded: LoadedModel | None) -> dict | None:
     return found
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
     """Versions, machine and settings that timings depend on."""
     accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -52,7 +41,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu_name(),
+        "cpu": isa.cpu_name(),
         "isa": isa.level(),
         "accelerator": accelerator,
         "device": str(device),

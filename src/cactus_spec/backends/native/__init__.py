@@ -78,14 +78,7 @@ def compiler_flags() -> tuple[str, ...]:
 
 def _cpu_key() -> str:
     """A short hash of what the compiled code depends on: CPU flags, torch, the sources."""
-    try:
-        cpu = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        cpu = platform.processor()
+    cpu = " ".join(sorted(isa.cpu_flags())) or platform.processor()
     parts = [cpu, torch.__version__, *compiler_flags(), *(s.read_text() for s in SOURCES + HEADERS)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
