@@ -80,6 +80,7 @@ def _start(stack: ExitStack, args, context: int) -> dict[str, str]:
     ours_port, llama_port = free_port(), free_port()
     cli = Path(sys.executable).with_name("cactus-spec")
     ours = [str(cli), "serve", "--port", str(ours_port), "--max-batch", "1", "--threads", "2",
+            "--served-model-name", "model",
             "--verifier-quant", args.verifier_quant, "--no-prefix-cache"]  # fmt: skip
     binary = build(Path(args.llama_cpp), args.llama_build)
     llama = [str(binary), "-m", gguf, "--port", str(llama_port), "-t", "2", "-c", str(context),
