@@ -474,6 +474,35 @@ def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
     assert fresh.choose(rows[:1], [0]) != [0]
 
 
+#: A calibration with AMX's cheap blocks: seconds by tokens or rows.
+AMX_VERIFY = {1: 0.050, 4: 0.052, 8: 0.055, 16: 0.060, 32: 0.090, 64: 0.150, 128: 0.300}
+AMX_DRAFT = {1: 0.005, 4: 0.008, 16: 0.020}
+
+
+def test_a_probe_drafts_on_the_rows_whose_drafters_caught_up() -> None:
+    """A fresh policy (probing) over 4 rows that leave K open and one that fixed K = 3:
+    with no drafter caught up, only the row that lags least probes (the others would each
+    read a whole context first); with two caught up (lags of 1 and 2 tokens), those two;
+    the fixed row keeps its K. The control: past the probe, every row that leaves K open
+    drafts the batch's K, whatever its lag."""
+    d = decoder(1)
+    rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in range(4)]
+    fixed = generation(d, [1, 2, 3], spec_of(SpS(), 3))
+    fresh = SpeculationPolicy(max_draft_tokens=10)
+    for tokens, seconds in AMX_VERIFY.items():
+        fresh.verify.observe(tokens, seconds)
+    for batch, seconds in AMX_DRAFT.items():
+        fresh.draft.observe(batch, seconds)
+    assert fresh.probing()
+    ks = fresh.choose([*rows, fixed], [158, 40, 300, 90, 0])
+    assert ks[1] > 0 and ks[0] == ks[2] == ks[3] == 0 and ks[4] == 3
+    ks = fresh.choose([*rows, fixed], [1, 158, 2, 300, 0])
+    assert ks[0] == ks[2] > 0 and ks[1] == ks[3] == 0 and ks[4] == 3
+    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
+    ks = fresh.choose([*rows, fixed], [1, 158, 2, 300, 0])
+    assert not fresh.probing() and len(set(ks[:4])) == 1 and ks[0] > 0
+
+
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     d = decoder(1)
     g = generation(d, list(range(1, 101)), spec_of(Cactus(1.0), None))

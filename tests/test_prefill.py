@@ -18,10 +18,12 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import as_loaded
+from cactus_spec.runtime.drafters import DraftRequest
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Request
-from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.policy import STEP_CATCH_UP, SpeculationPolicy
 from cactus_spec.runtime.scheduler import Scheduler
+from cactus_spec.runtime.stepper import StepTiming
 
 SAMPLING = SamplingConfig(0.8, 0, 1.0)
 SHORT = [5, 17, 3, 99]
@@ -35,6 +37,7 @@ class Recorded(SpeculativeDecoder):
         super().__init__(*args, **kwargs)
         self.log: list[tuple[str, object]] = []
         self.while_reading: list[Callable[[], None]] = []  # each called once, in a prefill
+        self.timings: list[StepTiming] = []
 
     def prefill(self, generations, budget=None):
         read = super().prefill(generations, budget)
@@ -45,7 +48,14 @@ class Recorded(SpeculativeDecoder):
 
     def step(self, generations, num_draft_tokens):
         self.log.append(("step", [g.row for g in generations]))
-        return super().step(generations, num_draft_tokens)
+        timing = super().step(generations, num_draft_tokens)
+        self.timings.append(timing)
+        return timing
+
+    def catch_up(self, generations, budget=None):
+        read = super().catch_up(generations, budget)
+        self.log.append(("catch_up", (read, budget)))
+        return read
 
 
 def engine(cls=SpeculativeDecoder) -> SpeculativeDecoder:
@@ -60,12 +70,13 @@ def serve_two(
     prefill_chunk: int | None,
     policy: SpeculationPolicy | None = None,
     long_arrives_while_short_is_read: bool = False,
+    pinned: bool = False,
 ) -> tuple[Recorded, dict[str, list[int]]]:
     """SHORT decoding (EOS ignored, so it runs its budget), then LONG arriving once SHORT has
     stepped (or while SHORT's prompt is read); their new tokens. With ``policy``, both leave
-    K to it."""
+    K to it, unless ``pinned`` (K = 3, the policy still asked)."""
     d = engine(Recorded)
-    spec = d.spec if policy is None else spec_of(SpS(), None)
+    spec = d.spec if policy is None or pinned else spec_of(SpS(), None)
     out: dict[str, list[int]] = {}
     done = threading.Event()
 
@@ -159,7 +170,8 @@ def test_the_policy_chooses_k_for_the_rows_still_reading_too() -> None:
 def test_a_request_arriving_while_a_prompt_is_read_joins_the_batch_the_policy_sees() -> None:
     """LONG arrives while SHORT's prompt is read (alone, nothing decodes yet): SHORT's first
     K is chosen for both rows, not for a lone stream; and both decode what they decode
-    alone (K pinned at alone's 3, so the tokens can be compared)."""
+    alone (K pinned at alone's 3 by their spec, so the tokens can be compared: a row leaving
+    K open catches its drafter up before it drafts, ``test_scheduler``)."""
     asked: list[list[int]] = []
 
     class Recording(SpeculationPolicy):
@@ -167,10 +179,59 @@ def test_a_request_arriving_while_a_prompt_is_read_joins_the_batch_the_policy_se
             asked.append([g.row for g in generations])
             return [3] * len(generations)
 
-    d, out = serve_two(prefill_chunk=16, policy=Recording(3), long_arrives_while_short_is_read=True)
+    d, out = serve_two(16, Recording(3), long_arrives_while_short_is_read=True, pinned=True)
     assert asked[0] == [0, 1]
     assert d.log[0] == ("prefill", len(SHORT) - 1) and d.log[1] == ("step", [0])
     assert out["long"] == alone(LONG, LONG_BUDGET)
+
+
+class Drafting(SpeculationPolicy):
+    """A policy that asks every row that leaves K open for ``max_draft_tokens``."""
+
+    def choose(self, generations, behind):
+        return [self.max_draft_tokens if g.spec.auto_k else 3 for g in generations]
+
+
+def test_a_row_leaving_k_open_catches_its_drafter_up_between_iterations() -> None:
+    """LONG joins SHORT's drafting batch: LONG's drafter reads its 69-token prompt in
+    pieces of at most the prompt budget, between iterations, while LONG drafts nothing; no
+    draft step reads more than STEP_CATCH_UP tokens a row, so SHORT never waits for the
+    read. The control: with K pinned by the spec, LONG's first draft step reads it all."""
+    policy = Drafting(3)
+    d, out = serve_two(prefill_chunk=4, policy=policy)
+    assert policy.catch_up_token_s > 0  # learned from the reads
+    reads = [value for kind, value in d.log if kind == "catch_up"]
+    assert len(reads) >= 2 and all(0 < read <= budget for read, budget in reads)
+    assert sum(read for read, _ in reads) >= len(LONG) - 1 - STEP_CATCH_UP
+    assert all(t.caught_up <= STEP_CATCH_UP * t.rows for t in d.timings)
+    assert len(out["long"]) == LONG_BUDGET and len(out["short"]) == SHORT_BUDGET
+    pinned, _ = serve_two(prefill_chunk=4, policy=Drafting(3), pinned=True)
+    assert not any(kind == "catch_up" for kind, _ in pinned.log)
+    assert max(t.caught_up for t in pinned.timings) >= len(LONG) - 1
+
+
+def test_a_drafter_caught_up_in_pieces_drafts_what_it_drafts_after_one_read() -> None:
+    """catch_up reads a context but its last token in pieces of 16; the proposal after it
+    (reading the last token) is the one a drafter reading the whole context in its first
+    draft step makes: the same tokens, p equal to float tolerance. The control: a drafter
+    that believes it holds the context while its cache holds another proposes otherwise."""
+
+    def proposal(pieces: int | None, held: list[int] | None = None):
+        drafter = engine()._stepper.drafter
+        drafter.start(0, LONG, reuse=False)
+        while pieces and drafter.catch_up([0], [held or LONG], pieces):
+            pass
+        if held is not None:
+            drafter._cached[0] = list(LONG[:-1])
+        ask = DraftRequest(0, LONG, 4, SAMPLING, torch.Generator().manual_seed(3))
+        return drafter.propose([ask])[0]
+
+    at_once, in_pieces = proposal(None), proposal(16)
+    assert in_pieces.tokens == at_once.tokens
+    torch.testing.assert_close(in_pieces.probs, at_once.probs, rtol=1e-4, atol=1e-6)
+    other = [(t + 1) % 120 for t in LONG]
+    wrong = proposal(16, held=other)
+    assert wrong.tokens != at_once.tokens or not torch.allclose(wrong.probs, at_once.probs)
 
 
 def test_long_rows_of_similar_lengths_share_a_forward() -> None:

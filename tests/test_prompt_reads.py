@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cactus_spec.backends.base import PROMPT_PIECE
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.fetch import fetch
 from cactus_spec.loading.models import load_model
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Request
-from cactus_spec.runtime.stepper import PROMPT_PIECE
 
 pytestmark = pytest.mark.slow
 

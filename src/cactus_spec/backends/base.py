@@ -83,3 +83,23 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``: CUDA runs asynchronously, a CPU does not."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+#: Most tokens a row reads in one forward: a forward's working memory grows with its tokens
+#: (an [T, I] activation per layer), and the native products run no faster a token beyond a
+#: few hundred rows (docs/RESULTS.md, "Prompt reads"); a longer read takes several.
+PROMPT_PIECE = 256
+
+
+def read_in_pieces(
+    backend: Backend, token_lists: Sequence[Sequence[int]], rows: Sequence[int]
+) -> None:
+    """Feed ``rows[i]`` the tokens ``token_lists[i]`` (none of their logits wanted), at most
+    ``PROMPT_PIECE`` a row a forward, the rows together."""
+    longest = max((len(ids) for ids in token_lists), default=0)
+    for first in range(0, longest, PROMPT_PIECE):
+        pairs = zip(token_lists, rows, strict=True)
+        part = [
+            (list(ids[first : first + PROMPT_PIECE]), row) for ids, row in pairs if len(ids) > first
+        ]
+        backend.append_ragged([ids for ids, _ in part], [row for _, row in part], True)

@@ -70,6 +70,15 @@ class CrossVocabDrafter:
         """Draft tokens the draft model would read before drafting for ``row`` again."""
         return self.drafter.behind(row, self.draft_context(row, context))
 
+    def catch_up(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
+    ) -> int:
+        """Draft tokens the draft model read of what it lags (``ModelDrafter.catch_up``)."""
+        ids = [
+            self.draft_context(row, context) for row, context in zip(rows, contexts, strict=True)
+        ]
+        return self.drafter.catch_up(rows, ids, budget)
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         contexts = [self.draft_context(r.row, r.context) for r in requests]
         room = self.backend.context_length

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from cactus_spec.backends.base import Backend
+from cactus_spec.backends.base import Backend, read_in_pieces
 from cactus_spec.core.sampling import SamplingConfig, draw, logits_to_probs
 from cactus_spec.core.tree_verification import ROOT, TokenTree, path_to, sample_distinct
 from cactus_spec.runtime.prefixes import common_prefix_length
@@ -100,6 +100,13 @@ class Drafter(Protocol):
     def behind(self, row: int, context: Sequence[int]) -> int:
         """Tokens of ``context`` the drafter would read before drafting for ``row`` again."""
 
+    def catch_up(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
+    ) -> int:
+        """Read what each row has not seen of its context but the last token (which its next
+        proposal reads), in the rows' order and at most ``budget`` tokens in all (None:
+        every one), so the next proposal reads little; the tokens read."""
+
 
 class ModelDrafter:
     """Drafts by sampling K tokens from a small language model on its own KV cache.
@@ -108,11 +115,12 @@ class ModelDrafter:
     rolled back after a rejection, never recomputed), then catches up on the tokens it has
     not seen in the first of its K forward passes: the corrected token, or the last draft
     and the bonus token after a fully accepted block, or, the first time (or after
-    iterations that drafted nothing), the prompt and everything since. Reading a prompt
-    only when a row first drafts means a row that never drafts costs the draft model
-    nothing; a new prompt keeps the prefix it shares with the row's last sequence (prefix
-    caching, ``start``). Every draft step is one forward
-    over all rows still drafting; each row draws from its own generator, in the same order
+    iterations that drafted nothing), the prompt and everything since, unless ``catch_up``
+    read those before, in budgeted pieces between iterations (a server's rows do not wait
+    for one drafter's long read). Reading a prompt only when a row is about to draft means
+    a row that never drafts costs the draft model nothing; a new prompt keeps the prefix it
+    shares with the row's last sequence (prefix caching, ``start``). Every draft step is one
+    forward over all rows still drafting; each row draws from its own generator, in the same order
     as alone. ``head``: the ids a truncated LM head keeps (``loading.head_vocab``); the
     draft then proposes only those.
 
@@ -154,6 +162,22 @@ class ModelDrafter:
         held, _ = self._held(row, context)
         return len(context) - _kept(held, context)
 
+    def catch_up(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
+    ) -> int:
+        """Read what the rows' caches lack of their contexts but the last token, at most
+        ``budget`` tokens in all, the rows together (``read_in_pieces``)."""
+        pieces: list[list[int]] = []
+        left = budget
+        for row, context in zip(rows, contexts, strict=True):
+            unread = self._unread(row, context)[:-1]
+            take = unread if left is None else unread[:left]
+            pieces.append(take)
+            self._cached[row] += take
+            left = None if left is None else left - len(take)
+        read_in_pieces(self.backend, pieces, rows)
+        return sum(len(piece) for piece in pieces)
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Each request's draft, shaped by its own ``branches``: the chains drafted together,
         the trees together, so a row drafts what it drafts alone whatever its neighbours ask
@@ -171,7 +195,7 @@ class ModelDrafter:
 
     def _propose_chains(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Every request's chain, one draft step over the rows still drafting at a time."""
-        pending = [self._catch_up(r) for r in requests]
+        pending = [self._unread(r.row, r.context) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
         confidences: list[list[float]] = [[] for _ in requests]
@@ -198,7 +222,7 @@ class ModelDrafter:
 
     def _propose_trees(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Every request's draft tree, depth by depth."""
-        pending = [self._catch_up(r) for r in requests]
+        pending = [self._unread(r.row, r.context) for r in requests]
         logits = self.backend.append_ragged(pending, [r.row for r in requests], last_only=True)
         trees = [_Growing(r) for r in requests]
         for tree, row_logits in zip(trees, logits, strict=True):
@@ -237,20 +261,20 @@ class ModelDrafter:
         row = logits.new_full((1, self.vocab_size), float("-inf"))  # [1, V]
         return row.index_copy_(1, self.head, logits)
 
-    def _catch_up(self, request: DraftRequest) -> list[int]:
+    def _unread(self, row: int, context: Sequence[int]) -> list[int]:
         """Roll the row's cache back to what it shares with the context; the tokens to feed."""
-        cached = self._keep_tree_path(request)
-        keep = _kept(cached, request.context)
-        self.backend.rollback(keep, request.row)
-        self._cached[request.row] = list(request.context[:keep])
-        return list(request.context[keep:])
+        cached = self._keep_tree_path(row, context)
+        keep = _kept(cached, context)
+        self.backend.rollback(keep, row)
+        self._cached[row] = list(context[:keep])
+        return list(context[keep:])
 
-    def _keep_tree_path(self, request: DraftRequest) -> list[int]:
+    def _keep_tree_path(self, row: int, context: Sequence[int]) -> list[int]:
         """The tokens the row's cache holds, after keeping the path of its draft tree (if it
         holds one) that the context continues with; the rest of the tree is dropped."""
-        held, path = self._held(request.row, request.context)
-        if self._trees.pop(request.row, None) is not None:
-            self.backend.commit_path(path, request.row)
+        held, path = self._held(row, context)
+        if self._trees.pop(row, None) is not None:
+            self.backend.commit_path(path, row)
         return held
 
     def _held(self, row: int, context: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -393,6 +417,12 @@ class NGramDrafter:
 
     def behind(self, row: int, context: Sequence[int]) -> int:
         """Nothing to read: it looks at the whole context each time."""
+        return 0
+
+    def catch_up(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
+    ) -> int:
+        """Nothing to read."""
         return 0
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:

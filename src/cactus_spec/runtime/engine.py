@@ -458,6 +458,10 @@ class SpeculativeDecoder:
         """Tokens the drafter would read for each generation before drafting again."""
         return self._stepper.behind(generations)
 
+    def catch_up(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Let the drafter read up to ``budget`` tokens it lags (``Stepper.catch_up``)."""
+        return self._stepper.catch_up(generations, budget)
+
     def _check_drafter(self, spec: DecodeSpec) -> None:
         """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter (for
         draft trees: a draft model of the verifier's vocabulary, both on the lean backend)."""

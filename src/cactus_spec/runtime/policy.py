@@ -69,14 +69,16 @@ unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, rows that leave K open draft, to the end, the K that would pay best were every
-draft kept and every drafter caught up (K_max before any cost was measured). A policy that
-drafted only where its prior (a rate of 1/2) promised a gain would never learn a higher rate
-where a verification block costs several plain steps (a float32 verifier on a CPU without
-AMX): it would decode plainly forever, right or wrong. A probe that drafted K_max whatever
-the batch would stall a wave of joining rows: at 16 rows a block of 176 tokens costs more
-than the plain steps its tokens replace, and each drafter first reads its prompt. The
-drafters' reads are left out of the probe's forecast: they are paid once, and a lone row's
-read (0.8 s held to AVX2) would otherwise keep it from ever drafting.
+draft kept and every drafter caught up (K_max before any cost was measured); only rows whose
+drafters have caught up (lag at most ``STEP_CATCH_UP`` tokens) probe, or, with none, the one
+that lags least, so a batch of B new rows pays one drafter's read of its context, not B. A
+policy that drafted only where its prior (a rate of 1/2) promised a gain would never learn a
+higher rate where a verification block costs several plain steps (a float32 verifier on a
+CPU without AMX): it would decode plainly forever, right or wrong. A probe that drafted
+K_max whatever the batch would stall a wave of joining rows: at 16 rows a block of 176
+tokens costs more than the plain steps its tokens replace, and each drafter first reads its
+prompt. The drafters' reads are left out of the probe's forecast: they are paid once, and a
+lone row's read would otherwise keep it from ever drafting.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ _EMA = 0.2
 _PACE = 0.8
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
+#: Most tokens a drafter of a row that leaves K open reads inside a draft step, which every
+#: row waits for; a row lagging more (a new prompt, what was emitted while K was 0) drafts
+#: nothing until it caught up between iterations (``runtime.scheduler``).
+STEP_CATCH_UP = 16
 #: Drafting must promise this much more than plain decoding: the estimates err (costs timed
 #: at other contexts, acceptance from short histories), and a wrong K > 0 costs more than a
 #: wrong 0 (drafters read their rows' prompts for iterations that then draft nothing).
@@ -241,42 +247,38 @@ class SpeculationPolicy:
         the K that maximises expected tokens per second over the whole batch. ``behind[i]``:
         the tokens the drafter would read for generation i before drafting."""
         if not any(g.spec.auto_k for g in generations):
-            best = 0
-        elif self.probing():
-            best = self._probe_k(generations)
-        else:
-            best = _best_k(self.forecast(generations, behind))
+            return [_fixed_k(g) for g in generations]
+        if self.probing():
+            probes = _probe_rows(generations, behind)
+            best = self._probe_k(generations, probes)
+            return [best * probe if g.spec.auto_k else _fixed_k(g)
+                    for g, probe in zip(generations, probes, strict=True)]  # fmt: skip
+        best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
-    def _probe_k(self, generations: Sequence[Generation]) -> int:
-        """While probing: the K that would pay best were every draft kept and every drafter
-        caught up (K_max before any cost was measured), so a probe drafts only where
-        drafting can pay at all, and pays the drafters' reads once to learn the acceptance
-        that decides the rest."""
+    def _probe_k(self, generations: Sequence[Generation], probes: Sequence[bool]) -> int:
+        """While probing: the K that would pay best were the ``probes`` rows to draft (the
+        others at K = 0 or their own K), every draft kept and every drafter caught up (K_max
+        before any cost was measured), so a probe drafts only where drafting can pay at all,
+        and pays a drafter's read once to learn the acceptance that decides the rest."""
         if not self.verify.sizes:
             return self.max_draft_tokens
-        caught_up = [0] * len(generations)
-        return _best_k(self.forecast(generations, caught_up, every_draft_kept=True))
+        auto = [g for g, probe in zip(generations, probes, strict=True) if probe]
+        rest = [g for g, probe in zip(generations, probes, strict=True) if not probe]
+        chances = [[1.0] * self.max_draft_tokens for _ in auto]
+        return _best_k(self._forecast(auto, chances, [0] * len(auto), rest))
 
     def forecast(
-        self,
-        generations: Sequence[Generation],
-        behind: Sequence[int],
-        every_draft_kept: bool = False,
+        self, generations: Sequence[Generation], behind: Sequence[int]
     ) -> list[tuple[float, float]]:
         """(E(K), T(K)) for K = 0..K_max: the tokens and seconds the module docstring's model
         expects of one iteration in which the rows that leave K open draft K (the others
-        their own K), at the chances learned or, with ``every_draft_kept``, at chance 1;
-        what ``choose`` weighs."""
+        their own K), at the chances learned; what ``choose`` weighs."""
         auto = [g for g in generations if g.spec.auto_k]
         lags = [n for g, n in zip(generations, behind, strict=True) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
-        if every_draft_kept:
-            chances = [[1.0] * self.max_draft_tokens for _ in auto]
-        else:
-            pool = self.pool_chances()
-            chances = [self.chances(g, pool) for g in auto]
-        return self._forecast(auto, chances, lags, fixed)
+        pool = self.pool_chances()
+        return self._forecast(auto, [self.chances(g, pool) for g in auto], lags, fixed)
 
     def _forecast(
         self,
@@ -287,7 +289,8 @@ class SpeculationPolicy:
     ) -> list[tuple[float, float]]:
         widths = [g.verification.branches for g in auto]
         fixed_tokens = sum(_fixed_k(g) * g.verification.branches + 1 for g in fixed)
-        rows = sum(widths) + sum(g.verification.branches for g in fixed)  # rows of one draft step
+        drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
+        rows = sum(widths) + sum(drafting)  # rows of one draft step
 
         lag = sum(n for n in lags if n > _STEADY_LAG)
         catch_up = lag * self.catch_up_token_s
@@ -369,6 +372,12 @@ class SpeculationPolicy:
         per_token = max(0.0, excess) / timing.caught_up
         self.catch_up_token_s += _EMA * (per_token - self.catch_up_token_s)
 
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """Fold a drafter's read of ``tokens`` it lagged, between iterations, into the cost
+        of catching up one token."""
+        if tokens > 0:
+            self.catch_up_token_s += _EMA * (seconds / tokens - self.catch_up_token_s)
+
     def _learn_confidences(self, timing: StepTiming) -> None:
         """Count each verified draft (every one before it kept) in its confidence's bin."""
         for confidences, kept in zip(timing.confidences, timing.kept, strict=True):
@@ -411,6 +420,16 @@ def _after_opening(g: Generation) -> tuple[list[int], list[int]]:
     kept = [n - (j < opened_kept) for j, n in enumerate(g.stats.accepted_by_position)]
     reached = [n - (j < opened) for j, n in enumerate(g.stats.reached_by_position)]
     return kept, reached
+
+
+def _probe_rows(generations: Sequence[Generation], behind: Sequence[int]) -> list[bool]:
+    """The rows that leave K open and whose drafters lag at most ``STEP_CATCH_UP`` tokens;
+    when there is none, the one whose drafter lags least: a probe learns acceptance, and
+    every drafter it starts reads its row's whole context first."""
+    auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
+    ready = [i for i in auto if behind[i] <= STEP_CATCH_UP]
+    chosen = set(ready or [min(auto, key=behind.__getitem__)])
+    return [i in chosen for i in range(len(generations))]
 
 
 def _best_k(forecast: Sequence[tuple[float, float]]) -> int:

@@ -45,6 +45,10 @@ class Rows(Protocol):
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting."""
 
+    def catch_up(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Let the drafter read up to ``budget`` tokens of what it lags of the generations'
+        contexts (all but each one's last), in their order; the tokens read."""
+
 
 class ServingEngine(Rows, Protocol):
     """What a server reads of the engine beyond ``Rows``: its spec and vocabulary, and its

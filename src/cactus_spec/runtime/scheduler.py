@@ -11,8 +11,10 @@ holds the longest prefix of its prompt: prefix caching), drops cancelled ones, r
 ``prefill_chunk`` prompt tokens per token each row verified in the last iteration, of the
 rows still reading their prompts (the shortest first, in one batched forward where padding
 allows; a few chunks when no row is decoding: chunked prefill), admits what arrived
-meanwhile, asks the policy for K, runs one stepper iteration over every row that has read
-its prompt, and hands finished generations back. So a long prompt arriving costs each
+meanwhile, asks the policy for K, lets the drafters of rows about to draft read a budget of
+what they lag (a new prompt: those rows draft once caught up, ``_catch_up``), runs one
+stepper iteration over every row that has read its prompt, and hands finished generations
+back. So a long prompt arriving costs each
 running row at most one chunk's forward per iteration, not the whole prompt's, and a
 request arriving while nothing decodes waits for a few chunks of it; and requests
 sent together are one batch to the policy: the first one, read alone while the others
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from cactus_spec.runtime.generation import Generation, Request
-from cactus_spec.runtime.policy import SpeculationPolicy
+from cactus_spec.runtime.policy import STEP_CATCH_UP, SpeculationPolicy
 from cactus_spec.runtime.rows import Rows
 from cactus_spec.runtime.stepper import StepTiming
 
@@ -229,7 +231,7 @@ class Scheduler(Generic[Engine]):
             with self._wake:
                 self._join(self._admit())
         joining = [g for _, g in self._active if g.reading]
-        ks = self._num_draft_tokens(generations, joining)
+        ks = self._catch_up(generations, self._num_draft_tokens(generations, joining))
         timing = self.engine.step(generations, ks)
         self._last_step = timing
         if self.policy is not None:
@@ -290,6 +292,30 @@ class Scheduler(Generic[Engine]):
             rows = generations + joining
             return self.policy.choose(rows, self.engine.behind(rows))[: len(generations)]
         return [self.engine.draft_tokens(g.spec) for g in generations]
+
+    def _catch_up(self, generations: list[Generation], ks: list[int]) -> list[int]:
+        """K of each generation after the lagging drafters' reads: a row that leaves K to the
+        policy and would draft while its drafter lags more than ``STEP_CATCH_UP`` tokens (a
+        new prompt, what was emitted while K was 0) drafts nothing this iteration, and its
+        drafter reads up to a prompt read's budget of the lag now, in pieces: read inside a
+        draft step, the lag would hold up every row (a row that fixed its K reads it there,
+        so that its draws stay those it makes alone)."""
+        if self.policy is None or not any(ks):
+            return ks
+        behind = self.engine.behind(generations)
+        lagging = {
+            id(g)
+            for g, k, n in zip(generations, ks, behind, strict=True)
+            if k > 0 and g.spec.auto_k and n > STEP_CATCH_UP
+        }
+        if not lagging:
+            return ks
+        start = time.perf_counter()
+        read = self.engine.catch_up(
+            [g for g in generations if id(g) in lagging], self._prefill_budget(running=True)
+        )
+        self.policy.observe_catch_up(read, time.perf_counter() - start)
+        return [0 if id(g) in lagging else k for g, k in zip(generations, ks, strict=True)]
 
     def _finish(self, request: Request, g: Generation) -> None:
         self._release(request, g)

@@ -46,18 +46,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cactus_spec.backends.base import Backend
+from cactus_spec.backends.base import Backend, read_in_pieces
 from cactus_spec.core.sampling import draw
 from cactus_spec.core.tree_verification import ROOT
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
 from cactus_spec.runtime.generation import Generation
 from cactus_spec.runtime.prefixes import PrefixCache, common_prefix_length
 from cactus_spec.runtime.verifications import path_rows
-
-#: Most prompt tokens a row reads in one forward: a forward's working memory grows with its
-#: tokens (an [T, I] activation per layer), and the native products run no faster a token
-#: beyond a few hundred rows (docs/RESULTS.md, "Prompt reads"); a longer read takes several.
-PROMPT_PIECE = 256
 
 #: A row's stopping rule within an iteration: given the draft's probability of each token it
 #: drew so far, whether to draw another.
@@ -131,8 +126,9 @@ class Stepper:
         """Feed the verifier the generations' unread prompt tokens (all but each prompt's
         last, which the first iteration feeds with the drafts), in the generations' order
         and at most ``budget`` in all (None: every one), in as few forwards as padding and
-        ``PROMPT_PIECE`` allow; counted as verifier time. Returns the tokens read. The
-        drafter reads a prompt only when its row first drafts (``drafters``)."""
+        ``PROMPT_PIECE`` allow (``read_in_pieces``); counted as verifier time. Returns the
+        tokens read. The drafter reads a prompt only when its row is about to draft
+        (``catch_up``, ``drafters``)."""
         chunks: list[tuple[Generation, list[int]]] = []
         left = budget
         for g in generations:
@@ -145,7 +141,7 @@ class Stepper:
             return 0
         start = time.perf_counter()
         pieces = [piece for _, piece in chunks]
-        self._read_prompts(pieces, [g.row for g, _ in chunks])
+        read_in_pieces(self.verifier, pieces, [g.row for g, _ in chunks])
         elapsed = self._elapsed(start)
         for g, piece in chunks:
             g.read += len(piece)
@@ -154,12 +150,20 @@ class Stepper:
             g.stats.time_verify_s += elapsed
         return sum(len(piece) for piece in pieces)
 
-    def _read_prompts(self, pieces: list[list[int]], rows: list[int]) -> None:
-        """Feed ``rows[i]`` the tokens ``pieces[i]``, at most ``PROMPT_PIECE`` a row a forward."""
-        for first in range(0, max(len(ids) for ids in pieces), PROMPT_PIECE):
-            part = [(ids[first : first + PROMPT_PIECE], row)
-                    for ids, row in zip(pieces, rows, strict=True) if len(ids) > first]  # fmt: skip
-            self.verifier.append_ragged([ids for ids, _ in part], [r for _, r in part], True)
+    def catch_up(self, generations: Sequence[Generation], budget: int | None = None) -> int:
+        """Let the drafter read, in the generations' order and at most ``budget`` tokens in
+        all (None: every one), what it has not seen of their contexts (``Drafter.catch_up``),
+        counted as draft time. Returns the tokens read."""
+        if self.drafter is None:
+            return 0
+        start = time.perf_counter()
+        read = self.drafter.catch_up(
+            [g.row for g in generations], [g.context for g in generations], budget
+        )
+        elapsed = self._elapsed(start)
+        for g in generations:
+            g.stats.time_draft_s += elapsed
+        return read
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting (0 without
