@@ -77,9 +77,12 @@ def compiler_flags() -> tuple[str, ...]:
 
 
 def _cpu_key() -> str:
-    """A short hash of what the compiled code depends on: CPU flags, torch, the sources."""
+    """A short hash of what the compiled code depends on: CPU flags, torch, the sources, and
+    where they are (the build names their paths: two checkouts sharing one build would
+    rebuild it in turn, each waiting on the other's lock)."""
     cpu = " ".join(sorted(isa.cpu_flags())) or platform.processor()
-    parts = [cpu, torch.__version__, *compiler_flags(), *(s.read_text() for s in SOURCES + HEADERS)]
+    sources = [str(_HERE), *(s.read_text() for s in SOURCES + HEADERS)]
+    parts = [cpu, torch.__version__, *compiler_flags(), *sources]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
