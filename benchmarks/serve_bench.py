@@ -1,6 +1,7 @@
 """Serving benchmark: AR, SpS and Cactus(1) behind the OpenAI server at 1-16 concurrent clients.
 
     python benchmarks/serve_bench.py --out bench-out/serve
+    python benchmarks/serve_bench.py --methods ar,sps,cactus,llama.cpp --llama-cpp DIR ...
 
 Starts ``cactus-spec serve`` in its own process on loopback (default pair: bf16 verifier,
 int8 draft; speculation policy auto, calibrated first; 16 rows), then for each method and
@@ -18,6 +19,10 @@ later find the measured prompts in the rows' prefix caches (the verifier's after
 models' after SpS): ``--server-args=--no-prefix-cache`` compares them on unread prompts.
 Then ``--chats`` two-turn conversations at once, the second turn resending the history: the
 TTFT of each turn (prefix caching reads only the second turn's new tokens).
+The ``llama.cpp`` row is the peer: ``llama-server`` (built from ``--llama-cpp DIR`` as
+``server_duel.py`` builds it, ``--llama-build`` level, AVX512 by default) on the verifier's
+GGUF, plain decoding, 2 threads, started for each concurrency with as many parallel slots
+(``-np``), the same clients and prompts, every prompt read (``cache_prompt: false``).
 ``--server-args`` passes more flags to the server and ``--label``
 names the run, so runs of other code or flags keep their own lines. ``--rounds R`` measures
 every configuration R times, the methods alternating at each concurrency within a round,
@@ -44,17 +49,24 @@ from pathlib import Path
 
 import openai
 from launcher import free_port, launched
+from server_duel import build
 
 from cactus_spec.bench.tasks import humaneval_items
 from cactus_spec.files import write_text_atomic
 from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.model_store import known_gguf_path
 
-#: name -> the request's "speculative" object (no num_draft_tokens: the policy picks K).
-METHODS = {
+#: The peer's row: llama-server, plain decoding, ``-np`` as many slots as clients.
+PEER = "llama.cpp"
+
+#: name -> the request's "speculative" object (no num_draft_tokens: the policy picks K);
+#: None: the peer, llama.cpp's ``llama-server`` with as many parallel slots as clients.
+METHODS: dict[str, dict | None] = {
     "ar": {"method": "ar"},
     "sps": {"method": "sps"},
     "cactus": {"method": "cactus", "delta": 1.0},
     "cactus K=10 fixed": {"method": "cactus", "delta": 1.0, "num_draft_tokens": 10},
+    PEER: None,
 }
 CONCURRENCY = (1, 4, 8, 16)
 #: Requests per configuration: at least this many, and this many per client.
@@ -63,9 +75,10 @@ REQUESTS_PER_CLIENT = 2
 
 
 def one_request(
-    client, model: str, prompt: str, spec: dict, max_tokens: int, seed: int | None
+    client, model: str, prompt: str, spec: dict | None, max_tokens: int, seed: int | None
 ) -> dict:
-    """Stream one chat completion; its timings and usage."""
+    """Stream one chat completion; its timings and usage (``spec`` None: to llama-server,
+    which reads every prompt, as our server with ``--no-prefix-cache`` does)."""
     sent = time.perf_counter()
     stamps = []
     usage = None
@@ -79,7 +92,10 @@ def one_request(
         seed=seed,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"top_k": 20, "speculative": spec},
+        extra_body={
+            "top_k": 20,
+            **({"cache_prompt": False} if spec is None else {"speculative": spec}),
+        },
     )
     pieces = []
     for chunk in stream:
@@ -88,8 +104,8 @@ def one_request(
             pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
-    tokens = usage.completion_tokens
-    extra = usage.model_extra["speculative"]
+    tokens = usage.completion_tokens if usage is not None else len(stamps)
+    extra = usage.model_extra.get("speculative", {}) if usage is not None else {}
     itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
     return {
         "tokens": tokens,
@@ -99,7 +115,8 @@ def one_request(
         "gaps_s": [b - a for a, b in itertools.pairwise(stamps)],
         "done": time.perf_counter(),
         "sent": sent,
-        **{k: extra[k] for k in ("iterations", "drafted_tokens", "accepted_tokens", "kl_nats")},
+        **{k: extra.get(k, 0) for k in ("iterations", "drafted_tokens", "accepted_tokens")},
+        "kl_nats": extra.get("kl_nats", 0.0),
     }
 
 
@@ -108,7 +125,7 @@ def run_config(client, model, prompts, spec, concurrency, max_tokens) -> dict:
     count = max(REQUESTS_PER_CLIENT * concurrency, MIN_REQUESTS)
     # a seeded request that leaves K open decodes at the server's K (so that it reproduces):
     # the policy's rows go unseeded
-    seeded = spec["method"] == "ar" or "num_draft_tokens" in spec
+    seeded = spec is None or spec["method"] == "ar" or "num_draft_tokens" in spec
     jobs = [(prompts[i % len(prompts)], i if seeded else None) for i in range(count)]
     shares = [jobs[c::concurrency] for c in range(concurrency)]
     results: list[dict] = []
@@ -315,6 +332,26 @@ def served(args, max_batch: int, log: Path) -> Iterator[str]:
         yield server.url
 
 
+@contextlib.contextmanager
+def peer(binary: Path, clients: int, log: Path) -> Iterator[openai.OpenAI]:
+    """llama-server on the verifier's GGUF with ``clients`` slots (2,048 tokens each), 2
+    threads, until it answers /health; a client for it."""
+    port = free_port()
+    gguf = str(known_gguf_path(DEFAULT_PAIR[0]))
+    command = [str(binary), "-m", gguf, "--port", str(port), "-t", "2",
+               "-np", str(clients), "-c", str(2048 * clients)]  # fmt: skip
+    with launched(command, port, log, start_timeout_s=900) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=3600)
+
+
+def run_peer(args, prompts: list[str], spare: str, clients: int, out: Path) -> dict:
+    """The peer's row at ``clients`` clients: a server started for it, one untimed answer."""
+    binary = build(Path(args.llama_cpp), args.llama_build)
+    with peer(binary, clients, out / "llama.log") as client:
+        one_request(client, "model", spare, None, args.max_tokens, 0)
+        return run_config(client, "model", prompts, None, clients, args.max_tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", default=DEFAULT_PAIR[0])
@@ -322,7 +359,7 @@ def main() -> None:
     parser.add_argument("--verifier-quant", default="none", choices=["none", "int8"])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-k", type=int, default=10, help="largest K the policy may pick")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(m for m in METHODS if m != PEER))
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     parser.add_argument("--chats", type=int, default=4, help="two-turn chats at once (0: none)")
     parser.add_argument("--server-args", default="", help="more flags for cactus-spec serve")
@@ -331,11 +368,15 @@ def main() -> None:
         "--rounds", type=int, default=1, help="times each configuration is measured, alternating"
     )
     parser.add_argument("--out", default="bench-out/serve")
+    parser.add_argument("--llama-cpp", help=f"llama.cpp's source folder (the {PEER} row)")
+    parser.add_argument("--llama-build", default="avx512", help="llama-server's build level")
     args = parser.parse_args()
     methods = args.methods.split(",")
     for name in methods:
         if name not in METHODS:
             parser.error(f"--methods: {name!r} is not one of {', '.join(METHODS)}")
+    if PEER in methods and not args.llama_cpp:
+        parser.error(f"--methods: {PEER} needs --llama-cpp (llama.cpp's source folder)")
     levels = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -368,12 +409,14 @@ def main() -> None:
     ]
     with served(args, max(levels), out / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600)
-        for method in dict.fromkeys(m for m, _, _ in todo):  # warm-up: a whole answer each
+        for method in dict.fromkeys(m for m, _, _ in todo if m != PEER):  # warm-up: an answer
             one_request(client, "bench", spare, METHODS[method], args.max_tokens, 0)
         for method, concurrency, k in todo:
-            row = run_config(
-                client, "bench", prompts, METHODS[method], concurrency, args.max_tokens
-            )
+            if method == PEER:
+                row = run_peer(args, prompts, spare, concurrency, out)
+            else:
+                spec = METHODS[method]
+                row = run_config(client, "bench", prompts, spec, concurrency, args.max_tokens)
             row = {
                 "method": method, "concurrency": concurrency, "round": k,
                 "settings": settings, **row,

@@ -14,12 +14,12 @@ allows; a few chunks when no row is decoding: chunked prefill), admits what arri
 meanwhile, asks the policy for K, lets the drafters of rows about to draft read a budget of
 what they lag (a new prompt: those rows draft once caught up, ``_catch_up``), runs one
 stepper iteration over every row that has read its prompt, and hands finished generations
-back. So a long prompt arriving costs each
-running row at most one chunk's forward per iteration, not the whole prompt's, and a
-request arriving while nothing decodes waits for a few chunks of it; and requests
-sent together are one batch to the policy: the first one, read alone while the others
-arrive, would otherwise look like a lone stream worth drafting for, and its drafter would
-read its prompt and draft while the others wait. A bounded queue gives backpressure:
+back. So a long prompt arriving costs each running row at most one chunk's forward per
+iteration, not the whole prompt's (nor a drafter's read of it), and a request arriving
+while nothing decodes waits for a few chunks of it; and requests sent together are one
+batch to the policy: the first one, read alone while the others arrive, would otherwise
+look like a lone stream worth drafting for, and its drafter would read its prompt and draft
+while the others wait. A bounded queue gives backpressure:
 ``submit`` raises ``QueueFullError`` when it is full.
 
 Callbacks (``on_text``, ``on_done``, ``on_error``) run on the scheduler's thread: they must
