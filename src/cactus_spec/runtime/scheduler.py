@@ -231,7 +231,9 @@ class Scheduler(Generic[Engine]):
             with self._wake:
                 self._join(self._admit())
         joining = [g for _, g in self._active if g.reading]
-        ks = self._catch_up(generations, self._num_draft_tokens(generations, joining))
+        behind = self.engine.behind(generations + joining) if self.policy is not None else []
+        ks = self._num_draft_tokens(generations, joining, behind)
+        ks = self._catch_up(generations, ks, behind)
         timing = self.engine.step(generations, ks)
         self._last_step = timing
         if self.policy is not None:
@@ -281,20 +283,25 @@ class Scheduler(Generic[Engine]):
         c.cached_tokens["draft"] += g.stats.draft_cached_prompt_tokens
 
     def _num_draft_tokens(
-        self, generations: list[Generation], joining: list[Generation]
+        self, generations: list[Generation], joining: list[Generation], behind: list[int]
     ) -> list[int]:
-        """K of each generation: the policy's choice where it leaves K open, else the engine's
-        ``draft_tokens`` (the spec's own K, or the engine's ``max_draft_tokens``). The policy
-        chooses for the batch these rows make with the ``joining`` ones (still reading their
-        prompts): a K worth drafting for a few rows is not worth it for the batch they are
-        about to become, and a drafter that starts would first read its row's prompt."""
+        """K of each generation (``behind``: what the drafter lags, for each of the
+        generations then the joining ones): the policy's choice where it leaves K open, else
+        the engine's ``draft_tokens`` (the spec's own K, or the engine's
+        ``max_draft_tokens``). The policy chooses for the batch these rows make with the
+        ``joining`` ones (still reading their prompts): a K worth drafting for a few rows is
+        not worth it for the batch they are about to become, and a drafter that starts would
+        first read its row's prompt."""
         if self.policy is not None:
             rows = generations + joining
-            return self.policy.choose(rows, self.engine.behind(rows))[: len(generations)]
+            return self.policy.choose(rows, behind)[: len(generations)]
         return [self.engine.draft_tokens(g.spec) for g in generations]
 
-    def _catch_up(self, generations: list[Generation], ks: list[int]) -> list[int]:
-        """K of each generation after the lagging drafters' reads: a row that leaves K to the
+    def _catch_up(
+        self, generations: list[Generation], ks: list[int], behind: list[int]
+    ) -> list[int]:
+        """K of each generation after the lagging drafters' reads (``behind``: what each
+        drafter lags, as ``_num_draft_tokens`` was given it): a row that leaves K to the
         policy and would draft while its drafter lags more than ``STEP_CATCH_UP`` tokens (a
         new prompt, what was emitted while K was 0) drafts nothing this iteration, and its
         drafter reads up to a prompt read's budget of the lag now, in pieces: read inside a
@@ -302,10 +309,9 @@ class Scheduler(Generic[Engine]):
         so that its draws stay those it makes alone)."""
         if self.policy is None or not any(ks):
             return ks
-        behind = self.engine.behind(generations)
         lagging = {
             id(g)
-            for g, k, n in zip(generations, ks, behind, strict=True)
+            for g, k, n in zip(generations, ks, behind[: len(generations)], strict=True)
             if k > 0 and g.spec.auto_k and n > STEP_CATCH_UP
         }
         if not lagging:
