@@ -28,7 +28,6 @@ from cactus_spec.core.checks import check_int, flag
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import AUTO_K, DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
-from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.options import BACKENDS, LOAD_KEYS, LoadOptions, parse_load
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
@@ -36,12 +35,7 @@ from cactus_spec.runtime.scheduler import PREFILL_CHUNK
 
 if TYPE_CHECKING:  # the engine loads torch's kernels: imported where it is used
     from cactus_spec.runtime.engine import SpeculativeDecoder
-    from cactus_spec.runtime.generation import GenerationResult
 
-DEMO_PROMPT = (
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping "
-    "intervals, with a docstring and a short example."
-)
 _SAMPLING = SamplingConfig()
 _ARG_TYPES: dict[type, type[int] | type[float]] = {int: int, float: float}  # bool: a switch
 
@@ -569,101 +563,14 @@ def _stats_table(result, divergence=None) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from cactus_spec.loading.models import as_loaded
-    from cactus_spec.runtime.engine import SpeculativeDecoder
+    from cactus_spec.bench import demo
 
     _check_counts(args, ("max_new_tokens", "rounds"))
     given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
     parse_spec(given, label=flag)  # a bad K refused by its flag's name, before loading
-    runs = demo_runs(args.num_draft_tokens)
     options = _load_options(args, needs_draft=True)
-    pair = "the default pair" if (options.verifier, options.draft) == DEFAULT_PAIR else "the models"
-    stderr.print(f"loading {pair}: {options.verifier} (verifier), {options.draft} (draft) …")
-    assert options.draft is not None  # needs_draft
-    verifier = as_loaded(
-        "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
-    )
-    draft = as_loaded(
-        "draft",
-        options.draft,
-        **options.model_kwargs(),
-        quant=options.draft_quant,
-        head_vocab=options.draft_vocab,
-    )
-    stderr.print(_kernels_line(verifier, draft))
-    k = runs[1][1].num_draft_tokens  # None: auto
-    shown_k = f"K={k}" if k else f"K auto (up to {DEFAULT_NUM_DRAFT_TOKENS})"
-    table = Table(
-        title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
-        f"temperature {_SAMPLING.temperature}, top-p {_SAMPLING.top_p}, top-k {_SAMPLING.top_k}"
-    )
-    columns = ("tokens/s", "vs AR", "drafted/it", "kept/it", "KL nats/tok")
-    table.add_column("method", no_wrap=True)
-    for column in columns:
-        table.add_column(column, justify="right")
-    decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=options.backend)
-    stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
-    decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models
-    fastest = _fastest_of_rounds(decoder, runs, args.max_new_tokens, args.rounds)
-    baseline = None
-    for (name, spec), result in zip(runs, fastest, strict=True):
-        s = result.stats
-        baseline = baseline or s.tokens_per_s
-        drafted = f"{s.drafted / s.iterations:.2f}" if spec.drafts else "-"
-        table.add_row(
-            name,
-            f"{s.tokens_per_s:.2f}",
-            f"{s.tokens_per_s / baseline:.2f}x",
-            drafted,
-            f"{s.mean_accepted:.2f}" if spec.drafts else "-",
-            f"{s.kl_nats_per_token:.4f}",
-        )
-    Console().print(table)
-    print(f"\nCactus (delta=1) wrote:\n{result.text}")
+    demo.run_demo(options, args.num_draft_tokens, args.max_new_tokens, args.rounds)
     return 0
-
-
-def demo_runs(num_draft_tokens: int | str) -> list[tuple[str, DecodeSpec]]:
-    """The demo's rows: AR, then SpS and Cactus(delta=1) drafting ``num_draft_tokens``, an
-    integer or auto (a policy picks K: None in a spec, but a K not given to the parser)."""
-    return [
-        ("AR (verifier alone)", DecodeSpec.of("ar")),
-        ("SpS", DecodeSpec.of("sps", num_draft_tokens=num_draft_tokens)),
-        ("Cactus (delta=1)", DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=num_draft_tokens)),
-    ]
-
-
-def _fastest_of_rounds(
-    decoder: SpeculativeDecoder,
-    runs: list[tuple[str, DecodeSpec]],
-    max_new_tokens: int,
-    rounds: int,
-) -> list[GenerationResult]:
-    """Each run's fastest generation over ``rounds`` rounds of the runs in turn: a machine
-    whose speed changes under it (turbo, thermal limits, neighbours) then weighs no method's
-    slow state against another's fast one (noise only ever adds time)."""
-    results: list[list[GenerationResult]] = [[] for _ in runs]
-    for r in range(rounds):
-        for (name, spec), kept in zip(runs, results, strict=True):
-            stderr.print(f"running {name} (round {r + 1} of {rounds}) …")
-            kept.append(decoder.generate(DEMO_PROMPT, max_new_tokens, seed=0, spec=spec))
-    return [max(kept, key=lambda result: result.stats.tokens_per_s) for kept in results]
-
-
-def _kernels_line(verifier, draft) -> str:
-    """Which instruction set and kernels the two models run on."""
-    from cactus_spec.backends.packed import bf16_kernel
-    from cactus_spec.backends.quant import int4_kernel, quant_kernel
-
-    kernels = {"int8": quant_kernel(), "int4": int4_kernel(), "bfloat16": bf16_kernel()}
-    used = {}
-    for role, model in (("verifier", verifier), ("draft", draft)):
-        kind = model.quant if model.quant in ("int8", "int4") else "bfloat16"
-        dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
-        used[role] = kernels[kind] if kind != "bfloat16" or dtype == kind else f"{dtype}, torch"
-    held = "the CPU's own" if isa.chosen() == "native" else "CACTUS_SPEC_ISA"
-    cpu = f"{isa.level()} ({held})"
-    return f"instruction set: {cpu}; verifier: {used['verifier']}; draft: {used['draft']}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
