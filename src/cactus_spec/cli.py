@@ -16,7 +16,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -32,9 +31,6 @@ from cactus_spec.loading.options import BACKENDS, LOAD_KEYS, LoadOptions, parse_
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK
-
-if TYPE_CHECKING:  # the engine loads torch's kernels: imported where it is used
-    from cactus_spec.runtime.engine import SpeculativeDecoder
 
 _SAMPLING = SamplingConfig()
 _ARG_TYPES: dict[type, type[int] | type[float]] = {int: int, float: float}  # bool: a switch
@@ -206,18 +202,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policy",
         choices=POLICIES,
-        default="auto",
         help="how K is chosen for requests that give none (default auto)",
     )
     _add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="rows decoded at once")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before HTTP 429")
+    p.add_argument("--host", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int)
+    p.add_argument("--max-batch", type=int, help="rows decoded at once")
+    p.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429")
     p.add_argument(
         "--prefill-chunk",
         type=int,
-        default=PREFILL_CHUNK,
         help="prompt tokens read per iteration and per token a row verified, so running "
         f"rows are not stalled by a long prompt (default {PREFILL_CHUNK})",
     )
@@ -228,9 +222,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="read every prompt from its first token (default: reuse the longest prefix a "
         "row still holds)",
     )
-    p.add_argument(
-        "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
-    )
+    p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request has none")
     p.add_argument(
         "--max-request-bytes",
         type=int,
@@ -258,21 +250,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-grammar-bytes",
         type=int,
-        default=limits.max_bytes,
         help="the largest grammar a request may bring (a JSON schema, regex, Lark or GBNF "
         f"text), in bytes; larger ones get 400 (default {limits.max_bytes})",
     )
     p.add_argument(
         "--max-grammar-symbols",
         type=int,
-        default=limits.max_symbols,
         help="the most symbols a request's compiled grammar may have; more get 400 "
         f"(default {limits.max_symbols})",
     )
     p.add_argument(
         "--grammar-step-fuel",
         type=int,
-        default=limits.step_fuel,
         help="the grammar engine's lexer work per token; a request whose grammar needs more "
         f"is ended with 400 (default {limits.step_fuel})",
     )
@@ -413,33 +402,8 @@ def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_t
         check_int(flag(key), getattr(args, key))
 
 
-def _engine(
-    options: LoadOptions,
-    spec: DecodeSpec,
-    max_batch: int = 1,
-    max_draft_tokens: int | None = None,
-    announce: bool = False,
-    prefix_cache: bool = True,
-    grammar_limits: GrammarLimits | None = None,
-) -> SpeculativeDecoder:
-    """The engine ``options`` describe, decoding by ``spec``."""
-    from cactus_spec.runtime.engine import SpeculativeDecoder
-
-    if announce:
-        draft = f", {options.draft} (draft)" if options.draft else ""
-        stderr.print(f"loading {options.verifier} (verifier){draft} …")
-    return SpeculativeDecoder(
-        **options.as_kwargs(),
-        spec=spec,
-        max_draft_tokens=max_draft_tokens,
-        max_batch=max_batch,
-        prefix_cache=prefix_cache,
-        grammar_limits=grammar_limits,
-    )
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    from cactus_spec.runtime.engine import check_prompt_text
+    from cactus_spec.runtime.engine import SpeculativeDecoder, check_prompt_text
     from cactus_spec.runtime.generation import check_stops
     from cactus_spec.runtime.logprobs import check_logprobs
 
@@ -454,7 +418,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_prompt_text(args.prompt)
     grammar = _grammar(args)
     options = _check_drafting(args, spec)
-    decoder = _engine(options, spec)
+    decoder = SpeculativeDecoder(**options.as_kwargs(), spec=spec)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
 
@@ -574,69 +538,21 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from cactus_spec.server.app import SHUTDOWN_GRACE_S, ServerConfig, create_app
-    from cactus_spec.server.run import HEADER_TIMEOUT_S, make_scheduler, serve
+    from cactus_spec.server.build import build_server
+    from cactus_spec.server.options import SERVE_KEYS, ServeOptions
 
     started = time.monotonic()
     spec = _spec(args)
-    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "prefill_chunk"))
-    if args.max_request_bytes is not None:
-        _check_counts(args, ("max_request_bytes",))
-    if args.body_timeout is not None and not args.body_timeout > 0:
-        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
-    header_timeout = HEADER_TIMEOUT_S if args.header_timeout is None else args.header_timeout
-    grace = SHUTDOWN_GRACE_S if args.shutdown_grace is None else args.shutdown_grace
-    if not header_timeout > 0:
-        raise ValueError(f"--header-timeout must be > 0 seconds, got {header_timeout}")
-    if not grace >= 0:
-        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {grace}")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    _check_counts(args, ("max_grammar_bytes", "max_grammar_symbols", "grammar_step_fuel"))
-    grammar_limits = GrammarLimits(
-        args.max_grammar_bytes, args.max_grammar_symbols, args.grammar_step_fuel
-    )
+    models = _check_drafting(args, spec)
+    given = {key: getattr(args, key) for key in SERVE_KEYS if getattr(args, key) is not None}
     template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
-    options = _check_drafting(args, spec)
-    cap = spec.num_draft_tokens if spec.drafts else None
-    if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
-        spec = spec.with_num_draft_tokens(None)
-    decoder = _engine(
-        options,
-        spec,
-        args.max_batch,
-        cap,
-        announce=True,
-        prefix_cache=args.prefix_cache,
-        grammar_limits=grammar_limits,
-    )
-    scheduler = make_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
-    model_id = args.served_model_name or str(options.verifier)
-    limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
-    given = {name: value for name, value in limits.items() if value is not None}  # else its own
-    config = ServerConfig(
-        model_id, args.api_key, args.default_max_tokens, chat_template=template, **given
-    )
-    app = create_app(scheduler, config)
-    stderr.print(_serving_line(model_id, options, spec, args), highlight=False)
-    serve(app, scheduler, args.host, args.port, app.state.drain, grace, header_timeout, started)
+    options = ServeOptions(spec, models, chat_template=template, label=flag, **given)
+    draft = f", {models.draft} (draft)" if models.draft else ""
+    stderr.print(f"loading {models.verifier} (verifier){draft} …")
+    server = build_server(options)
+    stderr.print(options.describe(), highlight=False)
+    server.serve(started)
     return 0
-
-
-def _serving_line(
-    model_id: str, options: LoadOptions, spec: DecodeSpec, args: argparse.Namespace
-) -> str:
-    """What ``serve`` runs: the models and their weights, the drafting, the rows and the CPU."""
-
-    def weights(quant: str) -> str:
-        return "dense" if quant == "none" else quant
-
-    draft = f"{options.draft} ({weights(options.draft_quant)})" if options.draft else "none"
-    drafting = f"drafter {spec.drafter}, policy {args.policy}" if spec.drafts else "no drafting"
-    return (
-        f"serving {model_id}: verifier {options.verifier} ({weights(options.verifier_quant)}), "
-        f"draft {draft}, {drafting}, {args.max_batch} rows, instruction set {isa.level()}"
-    )
 
 
 def _read_text(path: str, option: str) -> str:
