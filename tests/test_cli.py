@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 
+from cactus_spec.bench.demo import demo_runs
 from cactus_spec.bench.store import RUN_FILE
-from cactus_spec.cli import demo_runs, main
+from cactus_spec.cli import main
 from cactus_spec.core.methods import build_rule
 from cactus_spec.core.rules import TAS, Cactus, Interp, SpS, TopK
 from cactus_spec.core.spec import DEFAULT_NUM_DRAFT_TOKENS, DecodeSpec

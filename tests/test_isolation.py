@@ -20,12 +20,13 @@ import pytest
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import load_model
+from cactus_spec.loading.options import LoadOptions
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.runtime.generation import Request
 from cactus_spec.runtime.grammar import Grammar, GrammarLimits
 from cactus_spec.runtime.scheduler import Scheduler
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
+from cactus_spec.server.build import build_server
+from cactus_spec.server.options import ServeOptions
 
 pytestmark = pytest.mark.slow
 
@@ -69,23 +70,24 @@ def lean_fuel(smollm) -> SpeculativeDecoder:
     return _engine(smollm, GrammarLimits(step_fuel=STEP_FUEL))
 
 
-def _serve(engine):
-    scheduler = start_scheduler(engine, "auto", 16)
-    background = BackgroundServer(create_app(scheduler, ServerConfig(MODEL_ID, None, 32)))
-    url = background.__enter__()
-    yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    background.__exit__()
-    scheduler.stop()
+def _serve(smollm, **fields):
+    """A server of ``_engine``'s models and spec (K auto, up to 3), ``fields`` changed."""
+    spec = DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=3)
+    models = LoadOptions(verifier=smollm, draft=smollm, backend="lean")
+    fields = {"max_batch": 4, "max_queue": 16, "default_max_tokens": 32, "port": 0, **fields}
+    options = ServeOptions(spec, models, served_model_name=MODEL_ID, **fields)
+    with build_server(options).running() as url:
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    yield from _serve(engine)
+def server(smollm):
+    yield from _serve(smollm)
 
 
 @pytest.fixture(scope="module")
-def fuel_server(lean_fuel):
-    yield from _serve(lean_fuel)
+def fuel_server(smollm):
+    yield from _serve(smollm, grammar_step_fuel=STEP_FUEL)
 
 
 def _post(url: str, route: str, body: dict) -> tuple[int, dict]:

@@ -25,6 +25,7 @@ LAYERS = {
     "bench": 4,
     "integrations": 4,
     "cli": 5,
+    "cli_args": 5,
     "__main__": 5,
 }
 

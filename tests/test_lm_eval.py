@@ -267,15 +267,18 @@ def test_a_bad_model_arg_is_one_line_naming_it(args: str, named: str) -> None:
 @pytest.fixture(scope="module")
 def served_sps(smollm: LoadedModel):
     """A live ``cactus-spec serve`` app: SpS (K = 3) on SmolLM2, two rows."""
-    from cactus_spec.server.app import ServerConfig, create_app
-    from cactus_spec.server.run import BackgroundServer, start_scheduler
+    from cactus_spec.loading.options import LoadOptions
+    from cactus_spec.server.build import build_server
+    from cactus_spec.server.options import ServeOptions
 
-    decoder = SpeculativeDecoder(smollm, smollm, spec_of(SpS(), 3), max_batch=2)
-    scheduler = start_scheduler(decoder, "fixed", 16)
-    app = create_app(scheduler, ServerConfig("smollm2-135m", None, 32))
-    with BackgroundServer(app) as url:
-        yield url, decoder
-    scheduler.stop()
+    models = LoadOptions(verifier=smollm, draft=smollm)
+    fields = {"max_batch": 2, "max_queue": 16, "default_max_tokens": 32, "port": 0}
+    options = ServeOptions(
+        spec_of(SpS(), 3), models, "fixed", served_model_name="smollm2-135m", **fields
+    )
+    server = build_server(options)
+    with server.running() as url:
+        yield url, server.engine
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ from schemathesis.checks import (
 )
 
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
+from cactus_spec.loading.options import LoadOptions
+from cactus_spec.server.build import build_server
+from cactus_spec.server.options import ServeOptions
 from cactus_spec.server.schema import BODIES
 
 pytestmark = pytest.mark.slow
@@ -48,10 +48,11 @@ def api_schema():
 
     model = load_model(fetch("smollm2-135m"), dtype="float32")
     spec = DecodeSpec.of("cactus", num_draft_tokens=4, drafter="ngram")
-    decoder = SpeculativeDecoder(model, None, spec, max_batch=4)
-    scheduler = start_scheduler(decoder, "fixed", 16)
-    app = create_app(scheduler, ServerConfig("smollm2-135m", None, MAX_TOKENS))
-    with BackgroundServer(app) as url:
+    fields = {"max_batch": 4, "max_queue": 16, "default_max_tokens": MAX_TOKENS, "port": 0}
+    options = ServeOptions(
+        spec, LoadOptions(model), "fixed", served_model_name="smollm2-135m", **fields
+    )
+    with build_server(options).running() as url:
         with urllib.request.urlopen(f"{url}/openapi.json") as response:
             raw = json.loads(response.read())
         for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -60,7 +61,6 @@ def api_schema():
                 if key in properties:
                     properties[key]["anyOf"][0]["maximum"] = MAX_TOKENS
         yield schemathesis.openapi.from_dict(raw), url
-    scheduler.stop()
 
 
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE

@@ -22,9 +22,10 @@ from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.loading.options import LoadOptions
 from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
+from cactus_spec.server.build import build_server
+from cactus_spec.server.options import ServeOptions
 
 pytestmark = pytest.mark.slow
 
@@ -45,30 +46,34 @@ def smollm() -> LoadedModel:
     return load_model(fetch("smollm2-135m"), dtype="float32")
 
 
-def decoder_for(
-    smollm: LoadedModel, drafter: str, batch: int, policy: str = "auto"
-) -> SpeculativeDecoder:
-    """Cactus(1) with ``drafter``; with the auto policy, requests that give no K leave it to
-    the policy (up to K), as ``cactus-spec serve`` does."""
+def serve_options(smollm: LoadedModel, drafter: str, **fields) -> ServeOptions:
+    """Cactus(1) drafting up to K with ``drafter`` on four rows, on a free port, as ``cactus-spec
+    serve`` builds it: with the auto policy (the default), requests that give no K leave it to
+    the policy."""
+    models = LoadOptions(verifier=smollm, draft=smollm if drafter == "model" else None)
+    fields = {"max_batch": 4, "max_queue": 32, "default_max_tokens": 32, **fields}
+    spec = spec_of(Cactus(1.0), K, drafter)
+    return ServeOptions(spec, models, served_model_name=MODEL_ID, port=0, **fields)
+
+
+def decoder_for(smollm: LoadedModel, drafter: str) -> SpeculativeDecoder:
+    """Cactus(1) drafting K with ``drafter`` on one row."""
     draft = smollm if drafter == "model" else None
-    spec = spec_of(Cactus(1.0), None if policy == "auto" else K, drafter)
-    return SpeculativeDecoder(smollm, draft, spec, max_draft_tokens=K, max_batch=batch)
+    return SpeculativeDecoder(smollm, draft, spec_of(Cactus(1.0), K, drafter))
 
 
 class Served:
-    """A live server and what it runs on."""
+    """A live server (``serve_options``' own, ``fields`` changed) and what it runs on."""
 
-    def __init__(self, smollm, drafter="model", batch=4, queue=32, api_key=None, policy="auto"):
-        self.decoder = decoder_for(smollm, drafter, batch, policy)
-        self.scheduler = start_scheduler(self.decoder, policy, queue)
-        app = create_app(self.scheduler, ServerConfig(MODEL_ID, api_key, 32))
-        self.background = BackgroundServer(app)
-        self.url = self.background.__enter__()
+    def __init__(self, smollm, drafter="model", api_key=None, **fields):
+        self.server = build_server(serve_options(smollm, drafter, api_key=api_key, **fields))
+        self.decoder, self.scheduler = self.server.engine, self.server.scheduler
+        self.running = self.server.running()
+        self.url = self.running.__enter__()
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none")
 
     def close(self) -> None:
-        self.background.__exit__()
-        self.scheduler.stop()
+        self.running.__exit__(None, None, None)
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics") as response:
@@ -90,7 +95,7 @@ def served(request, smollm):
 def offline(smollm):
     """Offline generate with each drafter: the reference every answer must equal (K fixed,
     as the requests give it)."""
-    return {drafter: decoder_for(smollm, drafter, 1, "fixed") for drafter in ("model", "ngram")}
+    return {drafter: decoder_for(smollm, drafter) for drafter in ("model", "ngram")}
 
 
 def drafter_of(served: Served) -> str:
@@ -390,7 +395,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(one: Served) -> None
 
 
 def test_a_full_queue_answers_429(smollm) -> None:
-    server = Served(smollm, "model", batch=1, queue=1, policy="fixed")
+    server = Served(smollm, "model", policy="fixed", max_batch=1, max_queue=1)
     try:
         running = server.client.completions.create(
             model=MODEL_ID, prompt=PROMPTS[0], max_tokens=2000, stream=True
@@ -521,12 +526,13 @@ def test_a_client_that_leaves_a_whole_answer_frees_its_row(one: Served) -> None:
 
 
 @pytest.fixture(scope="module")
-def strict(one: Served):
-    """The same scheduler behind an app that reads at most 1000 bytes within 0.5 s, and
-    waits 0.5 s for a request's head."""
-    app = create_app(one.scheduler, ServerConfig(MODEL_ID, None, 32, 1000, 0.5))
-    with BackgroundServer(app, header_timeout_s=0.5) as url:
-        yield url.removeprefix("http://")
+def strict(smollm):
+    """A server that reads at most 1000 bytes within 0.5 s, and waits 0.5 s for a request's
+    head."""
+    limits = {"max_request_bytes": 1000, "body_timeout": 0.5, "header_timeout": 0.5}
+    server = Served(smollm, "model", policy="fixed", **limits)
+    yield server.url.removeprefix("http://")
+    server.close()
 
 
 def test_a_body_past_the_limit_is_413_before_it_is_read(strict) -> None:
@@ -577,7 +583,7 @@ def test_uvicorn_alone_holds_a_half_sent_head(one: Served) -> None:
     patience; it would wait forever)."""
     import uvicorn
 
-    app = create_app(one.scheduler, ServerConfig(MODEL_ID, None, 32))
+    app = one.server.app
     port = socket.create_server(("127.0.0.1", 0)).getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, port=port, http="h11", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -19,9 +19,9 @@ from cactus_spec.core.audit import reported_kl
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.fetch import fetch
 from cactus_spec.loading.models import load_model
-from cactus_spec.runtime.engine import SpeculativeDecoder
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
+from cactus_spec.loading.options import LoadOptions
+from cactus_spec.server.build import build_server
+from cactus_spec.server.options import ServeOptions
 from cactus_spec.server.wire import dumps
 
 pytestmark = pytest.mark.slow
@@ -155,13 +155,13 @@ def waits_behind_a_long_prompt(model, chunk: int | None) -> tuple[float, float, 
     """On a server of ``model`` reading ``chunk`` prompt tokens a turn (None: a prompt in one
     piece), while a long prompt is read: seconds to a bad regex's 400, to a short chat's first
     streamed token, and the long request's own time."""
-    decoder = SpeculativeDecoder(model, spec=DecodeSpec.of("ar"), max_batch=2)
-    scheduler = start_scheduler(decoder, "fixed", 8, chunk)
-    try:
-        with BackgroundServer(create_app(scheduler, ServerConfig(MODEL_ID))) as url:
-            return _waits(url)
-    finally:
-        scheduler.stop()
+    models = LoadOptions(verifier=model)
+    fields = {"max_batch": 2, "max_queue": 8, "prefill_chunk": chunk, "port": 0}
+    options = ServeOptions(
+        DecodeSpec.of("ar"), models, "fixed", served_model_name=MODEL_ID, **fields
+    )
+    with build_server(options).running() as url:
+        return _waits(url)
 
 
 def _waits(url: str) -> tuple[float, float, float]:

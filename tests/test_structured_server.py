@@ -14,11 +14,10 @@ from pathlib import Path
 import jsonschema_rs
 import openai
 import pytest
-from test_server import MODEL_ID, decoder_for
+from test_server import MODEL_ID, serve_options
 
 from cactus_spec.loading.models import LoadedModel, load_model
-from cactus_spec.server.app import ServerConfig, create_app
-from cactus_spec.server.run import BackgroundServer, start_scheduler
+from cactus_spec.server.build import build_server
 from cactus_spec.server.tools import ContentStream, parse_tool_calls
 
 pytestmark = pytest.mark.slow
@@ -73,16 +72,20 @@ class Server:
     """A live server with a fixed K of 3, the tool template optional."""
 
     def __init__(self, smollm: LoadedModel, drafter: str, template: str | None = None) -> None:
-        self.decoder = decoder_for(smollm, drafter, 4, policy="fixed")
-        self.scheduler = start_scheduler(self.decoder, "fixed", 64)
-        config = ServerConfig(MODEL_ID, None, 96, chat_template=template)
-        self.background = BackgroundServer(create_app(self.scheduler, config))
-        url = self.background.__enter__()
+        options = serve_options(
+            smollm,
+            drafter,
+            policy="fixed",
+            max_queue=64,
+            default_max_tokens=96,
+            chat_template=template,
+        )
+        self.running = build_server(options).running()
+        url = self.running.__enter__()
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
     def close(self) -> None:
-        self.background.__exit__()
-        self.scheduler.stop()
+        self.running.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module", params=["model", "ngram"])

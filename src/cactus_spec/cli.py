@@ -1,372 +1,35 @@
-"""The `cactus-spec` command line: generate, demo, bench, serve, models fetch.
+"""The `cactus-spec` command line: each command's arguments (``cli_args``) read into the
+options the layers below take, and the command run: generate here, demo (``bench.demo``),
+bench (``bench.command``), serve (``server.build``), lm-eval (``lm_eval.model``) and models
+fetch (``loading.fetch``).
 
 Every argument that can be checked without a model is checked before any model loads, and
-bad input ends with one line, ``error: ...``, and exit status 2. The method flags come from
-the registry in ``core.methods`` and are read by ``core.spec.parse_spec``; the sampling
-defaults come from ``SamplingConfig``.
+bad input ends with one line, ``error: ...``, and exit status 2. The method flags are read
+by ``core.spec.parse_spec``, the model flags by ``loading.options.parse_load`` and the serve
+flags by ``server.options.ServeOptions``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from cactus_spec import isa
-from cactus_spec.backends.quant import QUANTS
-from cactus_spec.core.budget import ALLOCATIONS
+from cactus_spec.cli_args import method_flags, parser
 from cactus_spec.core.checks import check_int, flag
-from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig, check_seed
-from cactus_spec.core.spec import AUTO_K, DRAFTERS, VERIFICATIONS, DecodeSpec, parse_spec
-from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.options import BACKENDS, LOAD_KEYS, LoadOptions, parse_load
-from cactus_spec.runtime.grammar import GrammarLimits
-from cactus_spec.runtime.policy import POLICIES
-from cactus_spec.runtime.scheduler import PREFILL_CHUNK
-
-if TYPE_CHECKING:  # the engine loads torch's kernels: imported where it is used
-    from cactus_spec.runtime.engine import SpeculativeDecoder
-    from cactus_spec.runtime.generation import GenerationResult
-
-DEMO_PROMPT = (
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping "
-    "intervals, with a docstring and a short example."
-)
-_SAMPLING = SamplingConfig()
-_ARG_TYPES: dict[type, type[int] | type[float]] = {int: int, float: float}  # bool: a switch
+from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 
 stderr = Console(stderr=True)
-
-
-def _method_flags() -> dict[str, list]:
-    """Every method parameter, once, with the methods that take it: name -> [Param, ...]."""
-    flags: dict[str, list] = {}
-    for method in METHODS.values():
-        for param in method.params:
-            flags.setdefault(param.name, []).append((method.name, param))
-    return flags
-
-
-def _k_value(text: str) -> int | str:
-    """--num-draft-tokens: an integer, or auto (a policy picks K); anything else is left for
-    the spec parser to refuse in one line."""
-    try:
-        return int(text)
-    except ValueError:
-        return text.strip()
-
-
-def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
-    """--method, its parameters, --num-draft-tokens, --drafter, --verification, --branches
-    and --kl-budget: the decoding spec."""
-    p.add_argument(
-        "--method",
-        default=DEFAULT_METHOD,
-        help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()),
-    )
-    p.add_argument("--num-draft-tokens", type=_k_value, help=k_help)
-    p.add_argument("--drafter", choices=DRAFTERS, help="where drafts come from (default model)")
-    p.add_argument(
-        "--verification",
-        choices=VERIFICATIONS,
-        help="how drafts are judged: chain (token by token, default), block (the chain as "
-        "a whole: more tokens kept), tree (up to --branches nodes per depth, given to the "
-        "likeliest paths, in one verifier forward, judged top down) or traversal (that tree "
-        "judged leaf to root, each path as a whole, as block judges a chain); all but chain: "
-        "methods sps, cactus",
-    )
-    p.add_argument(
-        "--branches",
-        type=int,
-        help="a tree's nodes per depth (--verification tree or traversal; default 2)",
-    )
-    p.add_argument(
-        "--kl-budget",
-        type=float,
-        help="cactus: the whole answer's divergence budget in nats (KL of the answer's law "
-        "to the verifier's <= it; any metric moves by at most sqrt(budget/2)); --delta caps "
-        "each position",
-    )
-    p.add_argument(
-        "--allocation",
-        help=f"with --kl-budget, each position's share, one of {', '.join(ALLOCATIONS)}: "
-        "greedy (all that is left, default), paced (what is left spread over the tokens "
-        "still to come) or marginal (all that is left, for the positions whose acceptance "
-        "per nat is highest)",
-    )
-    for name, takers in _method_flags().items():
-        first = takers[0][1]
-        words = "; ".join(f"{m}: {p.help} ({p.allowed}, default {p.default})" for m, p in takers)
-        if isinstance(first.default, bool):
-            p.add_argument(f"--{name}", action="store_const", const=True, help=words)
-        else:
-            p.add_argument(f"--{name}", type=_ARG_TYPES[type(first.default)], help=words)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=_SAMPLING.temperature)
-    p.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
-    p.add_argument("--top-k", type=int, default=_SAMPLING.top_k)
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with speculative decoding")
-    p.add_argument("prompt")
-    _add_method_args(
-        p,
-        "K, tokens drafted per iteration, or auto: chosen each iteration from the models' "
-        f"measured costs and the draft's confidence, up to {DEFAULT_NUM_DRAFT_TOKENS} "
-        f"(default auto with a draft model, else {DEFAULT_NUM_DRAFT_TOKENS})",
-    )
-    _add_model_args(p)
-    _add_sampling_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="an integer in [0, 2**64 - 1]")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p in [0, 1] (0: off)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10] (1: off)")
-    p.add_argument(
-        "--logprobs",
-        type=int,
-        help="with --json: each new token's log q and this many alternatives (0-20)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE", help="output matching this JSON schema")
-    shape.add_argument("--json-object", action="store_true", help="output: any JSON object")
-    shape.add_argument("--regex", help="output matching this regular expression")
-    shape.add_argument(
-        "--grammar", metavar="FILE", help="output matching this grammar (.lark or .gbnf)"
-    )
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="benchmark a grid of methods on a task: speed, acceptance, divergence, accuracy",
-        description="Run a grid of configurations side by side on a task and write "
-        "results.jsonl, summary.json, summary.md and PNG plots into --out. A rerun into the "
-        "same directory resumes; one with a different grid, task or models is refused.",
-    )
-    p.add_argument("--quick", action="store_true", help="SmolLM2-135M, n-gram drafter, small run")
-    p.add_argument("--task", help="gsm (default), humaneval or prompts")
-    p.add_argument("--prompts", help="JSONL prompt file (the prompts task)")
-    p.add_argument("--n", type=int, help="number of items (gsm: 50; others: all)")
-    p.add_argument("--task-seed", type=int, default=0, help="gsm data seed")
-    p.add_argument("--grid", help="TOML or JSON grid file")
-    p.add_argument(
-        "--method",
-        action="append",
-        help="grid entry NAME[:KEY=V1,V2...] (repeatable), e.g. cactus:delta=0.5,1:exact=true",
-    )
-    p.add_argument(
-        "--num-draft-tokens", help=f"K values, comma-separated (default {DEFAULT_NUM_DRAFT_TOKENS})"
-    )
-    p.add_argument("--drafter", help="model, ngram or model,ngram (default model)")
-    p.add_argument("--max-new-tokens", type=int, help="per item (default 256)")
-    _add_sampling_args(p)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of item i: seed + i")
-    p.add_argument("--out", help="output directory (default bench-out/TASK or bench-out/quick)")
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=1,
-        help="items our engine decodes at once (default 1: one at a time, for speed ratios)",
-    )
-    p.add_argument(
-        "--rescore",
-        action="store_true",
-        help="grade the recorded texts in --out again and rewrite its summaries (no decoding)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_model_args(p)
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="an OpenAI-compatible HTTP server with batched speculative decoding",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-        "/metrics. Requests are decoded together (continuous batching); a request picks its "
-        'method with "speculative": {"method": ..., "num_draft_tokens": ...}, else the '
-        "server's --method is used and the policy picks K.",
-    )
-    _add_method_args(
-        p,
-        f"with --policy fixed: K for requests that give none; with --policy auto: the largest "
-        f"K the policy picks (default {DEFAULT_NUM_DRAFT_TOKENS})",
-    )
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="auto",
-        help="how K is chosen for requests that give none (default auto)",
-    )
-    _add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="rows decoded at once")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before HTTP 429")
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=PREFILL_CHUNK,
-        help="prompt tokens read per iteration and per token a row verified, so running "
-        f"rows are not stalled by a long prompt (default {PREFILL_CHUNK})",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
-        help="read every prompt from its first token (default: reuse the longest prefix a "
-        "row still holds)",
-    )
-    p.add_argument(
-        "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        help="the largest request body read; larger ones get 413 (default 4 MiB)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        help="seconds a request body may take to arrive; slower ones get 408 (default 30)",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        help="seconds a connection may take to send a request's head; slower ones get 408 "
-        "(default 10)",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        type=float,
-        help="on SIGTERM, seconds in-flight requests may run on (new ones get 503) before they "
-        "are ended (default 30)",
-    )
-    p.add_argument("--served-model-name", help="model id in the API (default: --verifier)")
-    limits = GrammarLimits()
-    p.add_argument(
-        "--max-grammar-bytes",
-        type=int,
-        default=limits.max_bytes,
-        help="the largest grammar a request may bring (a JSON schema, regex, Lark or GBNF "
-        f"text), in bytes; larger ones get 400 (default {limits.max_bytes})",
-    )
-    p.add_argument(
-        "--max-grammar-symbols",
-        type=int,
-        default=limits.max_symbols,
-        help="the most symbols a request's compiled grammar may have; more get 400 "
-        f"(default {limits.max_symbols})",
-    )
-    p.add_argument(
-        "--grammar-step-fuel",
-        type=int,
-        default=limits.step_fuel,
-        help="the grammar engine's lexer work per token; a request whose grammar needs more "
-        f"is ended with 400 (default {limits.step_fuel})",
-    )
-    p.add_argument(
-        "--chat-template",
-        help="a Jinja chat template file to use instead of the tokenizer's (e.g. one that "
-        "defines tool calls)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("CACTUS_SPEC_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $CACTUS_SPEC_API_KEY)",
-    )
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verifier", help="verifier: known name, hub id, model dir or .gguf")
-    p.add_argument(
-        "--draft",
-        help="draft model: known name, hub id, model dir or .gguf (one with another tokenizer "
-        "drafts text the verifier's tokenizer encodes again)",
-    )
-    p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto", help="model code (auto)")
-    p.add_argument(
-        "--draft-quant",
-        choices=QUANTS,
-        default="int8",
-        help="draft weights (any of them keeps the output law; int8 and int4 are level end "
-        "to end where measured)",
-    )
-    p.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        help="keep the N most frequent tokens in the draft's LM head (a cheaper draft step; "
-        "the output law is unchanged; default: all)",
-    )
-    p.add_argument(
-        "--verifier-quant",
-        choices=(*QUANTS, "auto"),
-        default="auto",
-        help="verifier weights (int8/int4 change the output law: its measured KL from bfloat16 "
-        "is reported); auto (default): none where the CPU computes in bfloat16, else int8",
-    )
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cactus-spec", description="Speculative decoding with constrained acceptance."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    demo = sub.add_parser("demo", help="AR vs SpS vs Cactus(delta=1) on the default pair")
-    _add_model_args(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument(
-        "--num-draft-tokens",
-        type=_k_value,
-        default=AUTO_K,
-        help=f"K, or auto (default): the policy's K each iteration, up to "
-        f"{DEFAULT_NUM_DRAFT_TOKENS}",
-    )
-    demo.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="rounds of the three methods in turn; each shows its fastest (default 2)",
-    )
-    _add_bench(sub)
-    _add_serve(sub)
-    lm_eval = sub.add_parser(
-        "lm-eval",
-        help="lm-evaluation-harness with the cactus-spec model (needs cactus-spec[eval])",
-        description="lm-eval's own command line with --model cactus-spec registered, e.g. "
-        "cactus-spec lm-eval run --model cactus-spec --model_args "
-        "method=cactus,delta=1.0,num_draft_tokens=8 --tasks gsm8k",
-        add_help=False,
-    )
-    lm_eval.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
-    models = sub.add_parser("models", help="manage models")
-    models_sub = models.add_subparsers(dest="models_command", required=True)
-    fetch = models_sub.add_parser("fetch", help="install, verify and convert known models")
-    fetch.add_argument("names", nargs="*", help="default: the default pair")
-    return parser
 
 
 def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
@@ -397,7 +60,7 @@ def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
 def _spec(args: argparse.Namespace) -> DecodeSpec:
     """The decoding spec of --method, its parameters, --num-draft-tokens, --drafter,
     --verification, --branches, --kl-budget and --allocation."""
-    given = {name: getattr(args, name) for name in _method_flags()}
+    given = {name: getattr(args, name) for name in method_flags()}
     given |= {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     given |= {"verification": args.verification, "branches": args.branches}
     given |= {"kl_budget": args.kl_budget, "allocation": args.allocation}
@@ -419,33 +82,8 @@ def _check_counts(args: argparse.Namespace, flags: tuple[str, ...] = ("max_new_t
         check_int(flag(key), getattr(args, key))
 
 
-def _engine(
-    options: LoadOptions,
-    spec: DecodeSpec,
-    max_batch: int = 1,
-    max_draft_tokens: int | None = None,
-    announce: bool = False,
-    prefix_cache: bool = True,
-    grammar_limits: GrammarLimits | None = None,
-) -> SpeculativeDecoder:
-    """The engine ``options`` describe, decoding by ``spec``."""
-    from cactus_spec.runtime.engine import SpeculativeDecoder
-
-    if announce:
-        draft = f", {options.draft} (draft)" if options.draft else ""
-        stderr.print(f"loading {options.verifier} (verifier){draft} …")
-    return SpeculativeDecoder(
-        **options.as_kwargs(),
-        spec=spec,
-        max_draft_tokens=max_draft_tokens,
-        max_batch=max_batch,
-        prefix_cache=prefix_cache,
-        grammar_limits=grammar_limits,
-    )
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    from cactus_spec.runtime.engine import check_prompt_text
+    from cactus_spec.runtime.engine import SpeculativeDecoder, check_prompt_text
     from cactus_spec.runtime.generation import check_stops
     from cactus_spec.runtime.logprobs import check_logprobs
 
@@ -460,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_prompt_text(args.prompt)
     grammar = _grammar(args)
     options = _check_drafting(args, spec)
-    decoder = _engine(options, spec)
+    decoder = SpeculativeDecoder(**options.as_kwargs(), spec=spec)
 
     divergence = decoder.verifier_divergence()  # measured before any output, never silent
 
@@ -569,167 +207,35 @@ def _stats_table(result, divergence=None) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from cactus_spec.loading.models import as_loaded
-    from cactus_spec.runtime.engine import SpeculativeDecoder
+    """``cactus-spec demo``: its flags checked before any model loads, then ``bench.demo``."""
+    from cactus_spec.bench import demo
 
     _check_counts(args, ("max_new_tokens", "rounds"))
     given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
     parse_spec(given, label=flag)  # a bad K refused by its flag's name, before loading
-    runs = demo_runs(args.num_draft_tokens)
     options = _load_options(args, needs_draft=True)
-    pair = "the default pair" if (options.verifier, options.draft) == DEFAULT_PAIR else "the models"
-    stderr.print(f"loading {pair}: {options.verifier} (verifier), {options.draft} (draft) …")
-    assert options.draft is not None  # needs_draft
-    verifier = as_loaded(
-        "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
-    )
-    draft = as_loaded(
-        "draft",
-        options.draft,
-        **options.model_kwargs(),
-        quant=options.draft_quant,
-        head_vocab=options.draft_vocab,
-    )
-    stderr.print(_kernels_line(verifier, draft))
-    k = runs[1][1].num_draft_tokens  # None: auto
-    shown_k = f"K={k}" if k else f"K auto (up to {DEFAULT_NUM_DRAFT_TOKENS})"
-    table = Table(
-        title=f"demo: {args.max_new_tokens} new tokens, {shown_k}, "
-        f"temperature {_SAMPLING.temperature}, top-p {_SAMPLING.top_p}, top-k {_SAMPLING.top_k}"
-    )
-    columns = ("tokens/s", "vs AR", "drafted/it", "kept/it", "KL nats/tok")
-    table.add_column("method", no_wrap=True)
-    for column in columns:
-        table.add_column(column, justify="right")
-    decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=options.backend)
-    stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
-    decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models
-    fastest = _fastest_of_rounds(decoder, runs, args.max_new_tokens, args.rounds)
-    baseline = None
-    for (name, spec), result in zip(runs, fastest, strict=True):
-        s = result.stats
-        baseline = baseline or s.tokens_per_s
-        drafted = f"{s.drafted / s.iterations:.2f}" if spec.drafts else "-"
-        table.add_row(
-            name,
-            f"{s.tokens_per_s:.2f}",
-            f"{s.tokens_per_s / baseline:.2f}x",
-            drafted,
-            f"{s.mean_accepted:.2f}" if spec.drafts else "-",
-            f"{s.kl_nats_per_token:.4f}",
-        )
-    Console().print(table)
-    print(f"\nCactus (delta=1) wrote:\n{result.text}")
+    demo.run_demo(options, args.num_draft_tokens, args.max_new_tokens, args.rounds)
     return 0
-
-
-def demo_runs(num_draft_tokens: int | str) -> list[tuple[str, DecodeSpec]]:
-    """The demo's rows: AR, then SpS and Cactus(delta=1) drafting ``num_draft_tokens``, an
-    integer or auto (a policy picks K: None in a spec, but a K not given to the parser)."""
-    return [
-        ("AR (verifier alone)", DecodeSpec.of("ar")),
-        ("SpS", DecodeSpec.of("sps", num_draft_tokens=num_draft_tokens)),
-        ("Cactus (delta=1)", DecodeSpec.of("cactus", delta=1.0, num_draft_tokens=num_draft_tokens)),
-    ]
-
-
-def _fastest_of_rounds(
-    decoder: SpeculativeDecoder,
-    runs: list[tuple[str, DecodeSpec]],
-    max_new_tokens: int,
-    rounds: int,
-) -> list[GenerationResult]:
-    """Each run's fastest generation over ``rounds`` rounds of the runs in turn: a machine
-    whose speed changes under it (turbo, thermal limits, neighbours) then weighs no method's
-    slow state against another's fast one (noise only ever adds time)."""
-    results: list[list[GenerationResult]] = [[] for _ in runs]
-    for r in range(rounds):
-        for (name, spec), kept in zip(runs, results, strict=True):
-            stderr.print(f"running {name} (round {r + 1} of {rounds}) …")
-            kept.append(decoder.generate(DEMO_PROMPT, max_new_tokens, seed=0, spec=spec))
-    return [max(kept, key=lambda result: result.stats.tokens_per_s) for kept in results]
-
-
-def _kernels_line(verifier, draft) -> str:
-    """Which instruction set and kernels the two models run on."""
-    from cactus_spec.backends.packed import bf16_kernel
-    from cactus_spec.backends.quant import int4_kernel, quant_kernel
-
-    kernels = {"int8": quant_kernel(), "int4": int4_kernel(), "bfloat16": bf16_kernel()}
-    used = {}
-    for role, model in (("verifier", verifier), ("draft", draft)):
-        kind = model.quant if model.quant in ("int8", "int4") else "bfloat16"
-        dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
-        used[role] = kernels[kind] if kind != "bfloat16" or dtype == kind else f"{dtype}, torch"
-    held = "the CPU's own" if isa.chosen() == "native" else "CACTUS_SPEC_ISA"
-    cpu = f"{isa.level()} ({held})"
-    return f"instruction set: {cpu}; verifier: {used['verifier']}; draft: {used['draft']}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from cactus_spec.server.app import SHUTDOWN_GRACE_S, ServerConfig, create_app
-    from cactus_spec.server.run import HEADER_TIMEOUT_S, make_scheduler, serve
+    """``cactus-spec serve``: its options checked before any model loads, then the server
+    ``server.build.build_server`` assembles, in the foreground until a signal."""
+    from cactus_spec.server.build import build_server
+    from cactus_spec.server.options import SERVE_KEYS, ServeOptions
 
     started = time.monotonic()
     spec = _spec(args)
-    _check_counts(args, ("max_batch", "max_queue", "default_max_tokens", "prefill_chunk"))
-    if args.max_request_bytes is not None:
-        _check_counts(args, ("max_request_bytes",))
-    if args.body_timeout is not None and not args.body_timeout > 0:
-        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
-    header_timeout = HEADER_TIMEOUT_S if args.header_timeout is None else args.header_timeout
-    grace = SHUTDOWN_GRACE_S if args.shutdown_grace is None else args.shutdown_grace
-    if not header_timeout > 0:
-        raise ValueError(f"--header-timeout must be > 0 seconds, got {header_timeout}")
-    if not grace >= 0:
-        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {grace}")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    _check_counts(args, ("max_grammar_bytes", "max_grammar_symbols", "grammar_step_fuel"))
-    grammar_limits = GrammarLimits(
-        args.max_grammar_bytes, args.max_grammar_symbols, args.grammar_step_fuel
-    )
+    models = _check_drafting(args, spec)
+    given = {key: getattr(args, key) for key in SERVE_KEYS if getattr(args, key) is not None}
     template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
-    options = _check_drafting(args, spec)
-    cap = spec.num_draft_tokens if spec.drafts else None
-    if args.policy == "auto":  # requests that give no K leave it to the policy, up to cap
-        spec = spec.with_num_draft_tokens(None)
-    decoder = _engine(
-        options,
-        spec,
-        args.max_batch,
-        cap,
-        announce=True,
-        prefix_cache=args.prefix_cache,
-        grammar_limits=grammar_limits,
-    )
-    scheduler = make_scheduler(decoder, args.policy, args.max_queue, args.prefill_chunk)
-    model_id = args.served_model_name or str(options.verifier)
-    limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout}
-    given = {name: value for name, value in limits.items() if value is not None}  # else its own
-    config = ServerConfig(
-        model_id, args.api_key, args.default_max_tokens, chat_template=template, **given
-    )
-    app = create_app(scheduler, config)
-    stderr.print(_serving_line(model_id, options, spec, args), highlight=False)
-    serve(app, scheduler, args.host, args.port, app.state.drain, grace, header_timeout, started)
+    options = ServeOptions(spec, models, chat_template=template, label=flag, **given)
+    draft = f", {models.draft} (draft)" if models.draft else ""
+    stderr.print(f"loading {models.verifier} (verifier){draft} …")
+    server = build_server(options)
+    stderr.print(options.describe(), highlight=False)
+    server.serve(started)
     return 0
-
-
-def _serving_line(
-    model_id: str, options: LoadOptions, spec: DecodeSpec, args: argparse.Namespace
-) -> str:
-    """What ``serve`` runs: the models and their weights, the drafting, the rows and the CPU."""
-
-    def weights(quant: str) -> str:
-        return "dense" if quant == "none" else quant
-
-    draft = f"{options.draft} ({weights(options.draft_quant)})" if options.draft else "none"
-    drafting = f"drafter {spec.drafter}, policy {args.policy}" if spec.drafts else "no drafting"
-    return (
-        f"serving {model_id}: verifier {options.verifier} ({weights(options.verifier_quant)}), "
-        f"draft {draft}, {drafting}, {args.max_batch} rows, instruction set {isa.level()}"
-    )
 
 
 def _read_text(path: str, option: str) -> str:
@@ -775,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"]:  # every later argument, --help included, is lm-eval's
         args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
     else:
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
     try:
         isa.chosen()  # a bad CACTUS_SPEC_ISA is an error before anything loads
         return _dispatch(args)

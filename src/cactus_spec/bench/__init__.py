@@ -8,5 +8,6 @@ Face baselines), ``llamacpp`` (llama.cpp baselines), ``memory`` (peak memory),
 ``provenance`` (versions and model identities), ``runner`` (the alternating loop),
 ``rescore`` (grade recorded texts again), ``stats`` (intervals), ``bound`` (the i.i.d.
 speedup bound), ``summary`` (per-configuration figures), ``report`` (markdown), ``plots``
-(PNG figures) and ``command`` (the command line's glue).
+(PNG figures), ``command`` (the command line's glue) and ``demo`` (``cactus-spec demo``:
+AR, SpS and Cactus side by side).
 """

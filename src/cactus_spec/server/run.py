@@ -1,6 +1,6 @@
-"""Starting the server: the engine's scheduler and policy, and uvicorn, in the foreground
-(``serve``: decoding on the calling thread, uvicorn on another, draining on SIGTERM) or on
-threads (``start_scheduler``, ``BackgroundServer``).
+"""Running a built server (``build.build_server``): in the foreground (``serve``: decoding on
+the calling thread, uvicorn on another, draining on SIGTERM), or uvicorn on a thread
+(``BackgroundServer``).
 
 Both run uvicorn's h11 protocol with a deadline on each request's head (``_HeadTimeout``):
 uvicorn itself waits forever for headers, so a client that sends half a head holds a socket.
@@ -21,44 +21,8 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cactus_spec.core.checks import check_int
-from cactus_spec.runtime.policy import POLICIES
-from cactus_spec.runtime.rows import ServingEngine
-from cactus_spec.runtime.scheduler import PREFILL_CHUNK, Scheduler
+from cactus_spec.runtime.scheduler import Scheduler
 from cactus_spec.server.protocol import APIError
-
-
-def make_scheduler(
-    engine: ServingEngine,
-    policy: str = "auto",
-    max_queue: int = 64,
-    prefill_chunk: int = PREFILL_CHUNK,
-) -> Scheduler:
-    """A scheduler over ``engine`` reading up to ``prefill_chunk`` prompt tokens per
-    iteration, not yet running; ``policy`` auto times the models first (on this thread)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    check_int("max_queue", max_queue)
-    chosen = None
-    if policy == "auto" and engine.spec.drafts:
-        print("timing the models for the speculation policy …", file=sys.stderr)
-        start = time.monotonic()
-        chosen = engine.calibrated_policy()
-        print(f"timed in {time.monotonic() - start:.1f} s", file=sys.stderr)
-    return Scheduler(engine, max_queue, chosen, prefill_chunk)
-
-
-def start_scheduler(
-    engine: ServingEngine,
-    policy: str = "auto",
-    max_queue: int = 64,
-    prefill_chunk: int = PREFILL_CHUNK,
-) -> Scheduler:
-    """``make_scheduler``'s scheduler, started on a thread of its own."""
-    scheduler = make_scheduler(engine, policy, max_queue, prefill_chunk)
-    scheduler.start()
-    return scheduler
-
 
 #: Seconds a connection may take to send a request's head (from opening, or from its last
 #: response); then it gets 408 and is closed.
