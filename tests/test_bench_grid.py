@@ -16,7 +16,7 @@ from cactus_spec.bench.grid import (
     parse_entry,
     parse_list,
 )
-from cactus_spec.cli import DEFAULT_NUM_DRAFT_TOKENS
+from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.core.rules import Cactus
 
 
