@@ -1,7 +1,7 @@
 """The `cactus-spec` command line: each command's arguments (``cli_args``) read into the
 options the layers below take, and the command run: generate here, demo (``bench.demo``),
-bench (``bench.command``), serve (``server.build``), lm-eval (``lm_eval.model``) and models
-fetch (``loading.fetch``).
+bench (``bench.command``; ``bench.post`` for its subcommands that read finished runs), serve
+(``server.build``), lm-eval (``lm_eval.model``) and models fetch (``loading.fetch``).
 
 Every argument that can be checked without a model is checked before any model loads, and
 bad input ends with one line, ``error: ...``, and exit status 2. The method flags are read
@@ -253,6 +253,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_serve(args)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "bench" and args.bench_command:
+        from cactus_spec.bench.post import main_post
+
+        return main_post(args)
     if args.command == "bench":
         from cactus_spec.bench.command import main_bench
 
