@@ -1,5 +1,5 @@
-"""The command line's arguments: one sub-parser per command (generate, demo, bench, serve,
-lm-eval, models fetch), read by ``cli``.
+"""The command line's arguments: one sub-parser per command (generate, demo, bench and its
+subcommands that read finished runs, serve, lm-eval, models fetch), read by ``cli``.
 
 The method flags come from the registry in ``core.methods`` (``method_flags``), the sampling
 defaults from ``SamplingConfig``. The serve flags given no default here (None) take
@@ -136,7 +136,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="benchmark a grid of methods on a task: speed, acceptance, divergence, accuracy",
         description="Run a grid of configurations side by side on a task and write "
         "results.jsonl, summary.json, summary.md and PNG plots into --out. A rerun into the "
-        "same directory resumes; one with a different grid, task or models is refused.",
+        "same directory resumes; one with a different grid, task or models is refused. The "
+        "subcommands read finished runs and run nothing.",
     )
     p.add_argument("--quick", action="store_true", help="SmolLM2-135M, n-gram drafter, small run")
     p.add_argument("--task", help="gsm (default), humaneval or prompts")
