@@ -95,6 +95,15 @@ def test_ratio_bad_input_is_one_line(runs, argv, message, capsys) -> None:
     assert re.search(message, err), err
 
 
+def test_the_flags_of_a_bench_run_are_refused_beside_a_subcommand(runs, capsys) -> None:
+    assert main(["bench", "--quick", "ratio", str(runs[0]), SPS, "ar"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: --quick is a flag of a bench run; bench ratio reads finished runs "
+        "and takes none\n"
+    )
+
+
 def test_diff_of_identical_runs_says_so_with_their_speeds(runs, capsys) -> None:
     before, after = records(runs[0]), records(runs[1])
     assert main(["bench", "diff", str(runs[0]), str(runs[1])]) == 0
