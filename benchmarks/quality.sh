@@ -3,7 +3,8 @@
 # GSM (N = 200), AR / SpS / Cactus / TAS / Interp and the int8 verifier, decoded MAX_BATCH
 # items at a time. It runs in stages of growing N, alternating the tasks, so a run stopped
 # at any point holds both tasks on their first items; every stage resumes where the last
-# one stopped (results.jsonl is appended item by item). Rerun the script to go on.
+# one stopped (results.jsonl is appended item by item). Rerun the script to go on. The
+# tables of docs/RESULTS.md: cactus-spec bench quality-table OUT/quality-humaneval OUT/quality-gsm
 #
 #   sh benchmarks/quality.sh              # about 10 hours on a 2-core CPU, in sittings
 #   MAX_BATCH=4 STAGES="32 64" sh benchmarks/quality.sh
@@ -20,3 +21,4 @@ for n in $STAGES; do
         --out "$OUT/quality-gsm" > /dev/null
     echo "stage N = $n done: $OUT/quality-humaneval/summary.md, $OUT/quality-gsm/summary.md"
 done
+echo "tables: .venv/bin/cactus-spec bench quality-table $OUT/quality-humaneval $OUT/quality-gsm"

@@ -1,7 +1,7 @@
 """The `cactus-spec` command line: each command's arguments (``cli_args``) read into the
 options the layers below take, and the command run: generate here, demo (``bench.demo``),
-bench (``bench.command``), serve (``server.build``), lm-eval (``lm_eval.model``) and models
-fetch (``loading.fetch``).
+bench (``bench.command``; ``bench.post`` for its subcommands that read finished runs), serve
+(``server.build``), lm-eval (``lm_eval.model``) and models fetch (``loading.fetch``).
 
 Every argument that can be checked without a model is checked before any model loads, and
 bad input ends with one line, ``error: ...``, and exit status 2. The method flags are read
@@ -246,6 +246,18 @@ def _read_text(path: str, option: str) -> str:
         raise ValueError(f"{option}: cannot read {path!r} ({err})") from None
 
 
+def _check_no_run_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag of a bench run given beside ``bench ratio``, ``diff``
+    or ``quality-table``, which read finished runs and take none."""
+    defaults = vars(parser().parse_args(["bench"])) | {"bench_command": args.bench_command}
+    given = [key for key, value in defaults.items() if getattr(args, key) != value]
+    if given:
+        raise ValueError(
+            f"{flag(given[0])} is a flag of a bench run; bench {args.bench_command} reads "
+            "finished runs and takes none"
+        )
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return run_generate(args)
@@ -253,6 +265,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_serve(args)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "bench" and args.bench_command:
+        from cactus_spec.bench.post import main_post
+
+        _check_no_run_flags(args)
+        return main_post(args)
     if args.command == "bench":
         from cactus_spec.bench.command import main_bench
 

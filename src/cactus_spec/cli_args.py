@@ -1,5 +1,5 @@
-"""The command line's arguments: one sub-parser per command (generate, demo, bench, serve,
-lm-eval, models fetch), read by ``cli``.
+"""The command line's arguments: one sub-parser per command (generate, demo, bench and its
+subcommands that read finished runs, serve, lm-eval, models fetch), read by ``cli``.
 
 The method flags come from the registry in ``core.methods`` (``method_flags``), the sampling
 defaults from ``SamplingConfig``. The serve flags given no default here (None) take
@@ -136,7 +136,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="benchmark a grid of methods on a task: speed, acceptance, divergence, accuracy",
         description="Run a grid of configurations side by side on a task and write "
         "results.jsonl, summary.json, summary.md and PNG plots into --out. A rerun into the "
-        "same directory resumes; one with a different grid, task or models is refused.",
+        "same directory resumes; one with a different grid, task or models is refused. The "
+        "subcommands read finished runs and run nothing.",
     )
     p.add_argument("--quick", action="store_true", help="SmolLM2-135M, n-gram drafter, small run")
     p.add_argument("--task", help="gsm (default), humaneval or prompts")
@@ -170,6 +171,41 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_args(p)
+    _add_bench_reads(p)
+
+
+def _add_bench_reads(bench: argparse.ArgumentParser) -> None:
+    """``bench ratio``, ``diff`` and ``quality-table``: finished runs read back, no model."""
+    sub = bench.add_subparsers(
+        dest="bench_command",
+        title="reading finished runs (RUN: a bench run's --out folder)",
+        metavar="{ratio,diff,quality-table}",
+    )
+    ratio = sub.add_parser(
+        "ratio",
+        help="per-item tokens/s of one configuration of a run over another's: median [min, max]",
+    )
+    ratio.add_argument("run", metavar="RUN")
+    ratio.add_argument("config", metavar="CONFIG", help="a configuration id of the run's grid")
+    ratio.add_argument("reference", metavar="REFERENCE", help="the configuration id it divides")
+    diff = sub.add_parser(
+        "diff",
+        help="runs of one grid compared: identical tokens, tokens/s side by side (exit 1 when "
+        "tokens differ)",
+    )
+    diff.add_argument("before", metavar="BEFORE")
+    diff.add_argument("after", metavar="AFTER")
+    diff.add_argument(
+        "before_again",
+        metavar="BEFORE_AGAIN",
+        nargs="?",
+        help="BEFORE run again after AFTER (an A/B/A sitting): its ratio to BEFORE is the noise",
+    )
+    table = sub.add_parser(
+        "quality-table",
+        help="accuracy and acceptance of scored runs of one grid (one per task) side by side",
+    )
+    table.add_argument("runs", metavar="RUN", nargs="+")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -9,5 +9,7 @@ Face baselines), ``llamacpp`` (llama.cpp baselines), ``memory`` (peak memory),
 ``rescore`` (grade recorded texts again), ``stats`` (intervals), ``bound`` (the i.i.d.
 speedup bound), ``summary`` (per-configuration figures), ``report`` (markdown), ``plots``
 (PNG figures), ``command`` (the command line's glue) and ``demo`` (``cactus-spec demo``:
-AR, SpS and Cactus side by side).
+AR, SpS and Cactus side by side). Finished runs read back: ``finished`` (a run folder's
+records and summary), ``diff`` (runs of one grid compared), ``quality`` (the quality tables
+of scored runs) and ``post`` (``cactus-spec bench ratio``, ``diff``, ``quality-table``).
 """

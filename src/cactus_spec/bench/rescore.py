@@ -19,7 +19,7 @@ from cactus_spec.bench.grading import SCORE_FIELDS, grade
 from cactus_spec.bench.grid import Config
 from cactus_spec.bench.provenance import environment
 from cactus_spec.bench.runner import write_summaries
-from cactus_spec.bench.store import RUN_FILE, RunDirectory
+from cactus_spec.bench.store import RUN_FILE, SUMMARY_FILE, RunDirectory
 from cactus_spec.bench.tasks import TaskSpec, load_items
 
 
@@ -51,7 +51,7 @@ def _meta(path: Path, identity: dict) -> dict:
     """The last summary's environment and divergence figures, with the run's identity; for a
     run stopped before its first summary, this machine's environment with the run's device
     and dtype (and no divergence figures)."""
-    summary_file = path / "summary.json"
+    summary_file = path / SUMMARY_FILE
     old = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     setup = identity["setup"]
     here = environment(torch.device(setup["device"]), getattr(torch, setup["dtype"]))

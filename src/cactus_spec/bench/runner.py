@@ -42,7 +42,7 @@ from cactus_spec.bench.peers import hf_generate
 from cactus_spec.bench.plots import write_plots
 from cactus_spec.bench.provenance import environment, model_identity
 from cactus_spec.bench.report import write_markdown
-from cactus_spec.bench.store import RunDirectory
+from cactus_spec.bench.store import SUMMARY_FILE, RunDirectory
 from cactus_spec.bench.summary import summarise
 from cactus_spec.bench.tasks import Item, TaskSpec
 from cactus_spec.core.checks import check_int
@@ -422,7 +422,7 @@ def write_summaries(
 ) -> dict:
     """summary.json, summary.md and the plots of a run directory, from its records."""
     summary = summarise(store.rows(), grid, items, meta, store.batch_rows())
-    write_json_atomic(store.path / "summary.json", summary)
+    write_json_atomic(store.path / SUMMARY_FILE, summary)
     write_markdown(store.path / "summary.md", summary)
     write_plots(store.path, summary)
     return summary

@@ -21,6 +21,8 @@ from cactus_spec.files import write_json_atomic, write_text_atomic
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
+#: The run's figures (``summary.summarise``), written beside summary.md and the plots.
+SUMMARY_FILE = "summary.json"
 #: Batched runs: one record per batch of items a configuration decoded together.
 BATCHES_FILE = "batches.jsonl"
 #: Identity keys that may differ between runs into one directory: the number of items,
