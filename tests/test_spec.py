@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from cactus_spec.core.drafters import DRAFTERS
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.rules import TAS, Cactus, SpS
-from cactus_spec.core.spec import DRAFTERS, SPEC_KEYS, DecodeSpec, parse_spec
+from cactus_spec.core.spec import SPEC_KEYS, DecodeSpec, parse_spec
 
 
 def test_default_spec_is_the_registry_default_method_with_its_defaults():

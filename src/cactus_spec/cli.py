@@ -43,13 +43,9 @@ def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
 def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
     """The model flags read against ``spec``, and the drafting flags that cannot go
     together whatever the models are, refused before any model loads."""
-    options = _load_options(args, spec.drafts and spec.drafter == "model")
-    if spec.drafts and spec.trees and spec.drafter != "model":
-        raise ValueError(
-            f"--verification {spec.verification} needs a draft model (--drafter model), "
-            f"got --drafter {spec.drafter}; use chain or block"
-        )
-    if spec.drafts and spec.trees and options.backend == "hf":
+    options = _load_options(args, spec.needs_draft_model)
+    spec.check_trees(flag)
+    if spec.trees and options.backend == "hf":
         raise ValueError(
             f"--verification {spec.verification} needs token-tree attention, which "
             "--backend hf lacks; use --backend lean or auto"
@@ -71,7 +67,7 @@ def _k_left_open(args: argparse.Namespace, spec: DecodeSpec) -> DecodeSpec:
     """``spec`` with K auto where a draft model drafts and --num-draft-tokens is not given:
     a fixed K loses to the verifier alone where a verification block costs too much (an
     11-token block is about 5 AR steps on AVX2), the policy's K does not."""
-    if args.num_draft_tokens is None and spec.drafts and spec.drafter == "model":
+    if args.num_draft_tokens is None and spec.needs_draft_model:
         return spec.with_num_draft_tokens(None)
     return spec
 

@@ -13,9 +13,10 @@ import os
 
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.budget import ALLOCATIONS
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig
-from cactus_spec.core.spec import AUTO_K, DRAFTERS, VERIFICATIONS
+from cactus_spec.core.spec import AUTO_K, VERIFICATIONS
 from cactus_spec.loading.options import BACKENDS
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
@@ -52,7 +53,12 @@ def _add_method_args(p: argparse.ArgumentParser, k_help: str) -> None:
         help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()),
     )
     p.add_argument("--num-draft-tokens", type=_k_value, help=k_help)
-    p.add_argument("--drafter", choices=DRAFTERS, help="where drafts come from (default model)")
+    p.add_argument(
+        "--drafter",
+        choices=list(DRAFTERS),
+        help="; ".join(f"{d.name}: {d.help}" for d in DRAFTERS.values())
+        + f" (default {DEFAULT_DRAFTER})",
+    )
     p.add_argument(
         "--verification",
         choices=VERIFICATIONS,
@@ -153,7 +159,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--num-draft-tokens", help=f"K values, comma-separated (default {DEFAULT_NUM_DRAFT_TOKENS})"
     )
-    p.add_argument("--drafter", help="model, ngram or model,ngram (default model)")
+    p.add_argument(
+        "--drafter",
+        help=f"drafters, comma-separated ({', '.join(DRAFTERS)}; default {DEFAULT_DRAFTER})",
+    )
     p.add_argument("--max-new-tokens", type=int, help="per item (default 256)")
     _add_sampling_args(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed of item i: seed + i")

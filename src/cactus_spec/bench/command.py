@@ -29,6 +29,7 @@ from cactus_spec.bench.runner import BenchSettings, run_bench
 from cactus_spec.bench.store import check_writable_dir
 from cactus_spec.bench.tasks import TaskSpec, load_items
 from cactus_spec.core.checks import flag
+from cactus_spec.core.drafters import DEFAULT_DRAFTER
 from cactus_spec.core.sampling import MAX_SEED, SamplingConfig, check_seed
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.models import (
@@ -74,7 +75,7 @@ def _grid(args: argparse.Namespace) -> tuple[Config, ...]:
     return expand(
         entries,
         parse_list(ks) if ks else None,
-        parse_list(drafters) if drafters else ("model",),
+        parse_list(drafters) if drafters else (DEFAULT_DRAFTER,),
         (resolve_verifier_quant(args.verifier_quant),),
     )
 

@@ -11,7 +11,7 @@ On the command line a method entry reads ``NAME[:KEY=V1,V2...]...``, for instanc
 ``cactus:delta=0.5,1:exact=false,true``; a file (TOML or JSON) holds the same entries::
 
     num_draft_tokens = [6]          # optional: default for every entry
-    drafter = "model"               # optional: "model" or "ngram", or a list
+    drafter = "model"               # optional: a name of core.drafters.DRAFTERS, or a list
     [[methods]]
     method = "cactus"
     delta = [0.5, 1.0]
@@ -45,6 +45,7 @@ from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.spec import (
     AUTO_K,
@@ -67,6 +68,8 @@ PEERS: dict[str, dict[str, int]] = {
 }
 #: Every method a grid may name: the engine's, then the peers.
 NAMES = (*METHODS, *PEERS)
+#: The drafters of a peer that drafts: Hugging Face's assistant model, or its prompt lookup.
+PEER_DRAFTERS = ("model", "ngram")
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
 _DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "branches", "draft", "draft_vocab")
@@ -169,7 +172,7 @@ class Config:
                 words.append(f"{'d' if name == 'delta' else name}={_format(value)}")
         if self.drafts:
             words.append(f"K{_k_text(self.num_draft_tokens)}")
-            words += ["ngram"] if self.drafter == "ngram" else []
+            words += [] if self.drafter == DEFAULT_DRAFTER else [str(self.drafter)]
             words += [] if self.draft is None else [f"draft={Path(self.draft).name}"]
             words += [] if self.draft_vocab is None else [f"vocab={self.draft_vocab}"]
             words += [self._judged] if self.verification != "chain" else []
@@ -263,6 +266,7 @@ def make_config(
     for name, value in (("verification", verification), ("branches", branches)):
         if value is not None and method not in METHODS:
             raise ValueError(f"{method} is a peer: {name} does not apply")
+    _check_peer_drafter(method, drafter)
     draft = _draft_model(method, draft, drafter)
     draft_vocab = _draft_vocab(method, draft_vocab, drafter)
     try:
@@ -310,11 +314,23 @@ def _draft_vocab(method: str, size: object, drafter: object) -> int | None:
 
 
 def _model_drafter_only(method: str, key: str, drafter: object, peer_note: str = "") -> None:
-    """ValueError unless ``method`` is the engine's and drafts with the model drafter."""
+    """ValueError unless ``method`` is the engine's and drafts with a drafter that needs a
+    draft model (the default one when ``drafter`` is None; an unknown name is left to
+    ``parse_spec``)."""
     if method not in METHODS:
         raise ValueError(f"{method} is a peer: {key} does not apply{peer_note}")
-    if drafter is not None and str(drafter).strip() != "model":
-        raise ValueError(f"{method}: {key} applies to the model drafter, not {drafter}")
+    kind = DRAFTERS.get(_text(drafter)) if drafter is not None else None
+    if kind is not None and not kind.needs_draft_model:
+        takers = " or ".join(d.name for d in DRAFTERS.values() if d.needs_draft_model)
+        raise ValueError(f"{method}: {key} applies to the {takers} drafter, not {drafter}")
+
+
+def _check_peer_drafter(method: str, drafter: object) -> None:
+    """ValueError unless a peer that drafts drafts its own way (``PEER_DRAFTERS``)."""
+    drafts = method in PEERS and method not in NO_DRAFT and drafter is not None
+    if drafts and _text(drafter) not in PEER_DRAFTERS:
+        allowed = ", ".join(PEER_DRAFTERS)
+        raise ValueError(f"{method}: drafter must be one of {allowed}, got {drafter!r}")
 
 
 def _peer_int(name: str, value: object) -> int:
@@ -329,7 +345,7 @@ def _peer_int(name: str, value: object) -> int:
 def expand(
     entries: Iterable[Entry],
     ks: Sequence[int | str] | None = None,
-    drafters: Sequence[str] = ("model",),
+    drafters: Sequence[str] = (DEFAULT_DRAFTER,),
     verifiers: Sequence[str] = ("none",),
     verifications: Sequence[str | None] = (None,),
     drafts: Sequence[str | None] = (None,),
@@ -427,7 +443,7 @@ def load_grid_file(path: str | Path, verifier: str = "none") -> tuple[Config, ..
         raise ValueError(f"grid file {path}: needs a non-empty list of [[methods]] entries")
     entries = [_file_entry(entry, path) for entry in methods]
     ks = _listed(raw.get("num_draft_tokens", [DEFAULT_NUM_DRAFT_TOKENS]))
-    drafters = _listed(raw.get("drafter", ["model"]))
+    drafters = _listed(raw.get("drafter", [DEFAULT_DRAFTER]))
     verifiers = _listed(raw.get("verifier", [verifier]))
     verifications = _listed(raw.get("verification", [None]))
     drafts = _listed(raw.get("draft", [None]))

@@ -105,7 +105,7 @@ class BenchSettings:
     @property
     def needs_draft(self) -> bool:
         """Whether some configuration drafts with the run's draft model."""
-        return any(c.drafts and c.drafter == "model" and c.draft_key is None for c in self.grid)
+        return any(c.decoding.needs_draft_model and c.draft_key is None for c in self.grid)
 
     @property
     def other_drafts(self) -> dict[str, tuple[str | None, int | None]]:
@@ -199,7 +199,7 @@ class Runner:
     def _decoder(self, config: Config) -> SpeculativeDecoder:
         verifier = self.verifiers[config.verifier]
         spec = config.spec
-        draft = self.drafts[config.draft_key] if spec.drafts and spec.drafter == "model" else None
+        draft = self.drafts[config.draft_key] if spec.needs_draft_model else None
         return SpeculativeDecoder(
             verifier, draft, spec, backend=self.settings.backend, max_batch=self.settings.max_batch
         )

@@ -13,7 +13,7 @@ value is converted, checked and its error worded in one place:
   >= 1, or None (given as ``"auto"``) where a policy picks K each iteration from the measured
   costs and, for a chain, stops drafting inside it when the draft is unsure
   (``runtime.policy``).
-- ``drafter``: where drafts come from, one of ``DRAFTERS``.
+- ``drafter``: where drafts come from, a name in ``drafters.DRAFTERS`` (default ``model``).
 - ``verification``: how drafts are judged, one of ``VERIFICATIONS``: ``chain``, token by
   token (every rule); ``block``, the chain as a whole (``core.block_verification``; rules with
   a target per position: sps, and cactus with its KL budget spent per position); ``tree``,
@@ -43,6 +43,7 @@ from typing import overload
 
 from cactus_spec.core.budget import ALLOCATIONS, check_allocation, check_budget
 from cactus_spec.core.checks import is_int
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS, get_drafter, tree_drafters
 from cactus_spec.core.methods import (
     DEFAULT_METHOD,
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -54,8 +55,6 @@ from cactus_spec.core.methods import (
 )
 from cactus_spec.core.rules import Rule
 
-#: Where drafts come from: a small draft model, or n-gram lookup in the context.
-DRAFTERS = ("model", "ngram")
 #: The K that leaves the draft length to a policy (``DecodeSpec.num_draft_tokens`` None).
 AUTO_K = "auto"
 #: How drafts are judged: a chain token by token, a chain as a block, or a draft tree top down
@@ -91,7 +90,7 @@ class DecodeSpec:
         default_factory=lambda: tuple(sorted(METHODS[DEFAULT_METHOD].defaults.items()))
     )
     num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS
-    drafter: str | None = "model"
+    drafter: str | None = DEFAULT_DRAFTER
     verification: str | None = "chain"
     branches: int = 1
     kl_budget: float | None = None
@@ -116,6 +115,24 @@ class DecodeSpec:
     def trees(self) -> bool:
         """Whether it drafts trees (``verification`` tree or traversal)."""
         return self.verification in TREES
+
+    @property
+    def needs_draft_model(self) -> bool:
+        """Whether decoding by it needs a draft model: it drafts, with a drafter that does
+        (``drafters.DrafterKind.needs_draft_model``)."""
+        return self.drafts and self.drafter is not None and DRAFTERS[self.drafter].needs_draft_model
+
+    def check_trees(self, label: Callable[[str], str] = str) -> None:
+        """ValueError when it drafts trees with a drafter that cannot
+        (``drafters.DrafterKind.drafts_trees``); ``label`` names the keys."""
+        if not self.trees or self.drafter is None or DRAFTERS[self.drafter].drafts_trees:
+            return
+        drafter = label("drafter")
+        raise ValueError(
+            f"{label('verification')} {self.verification} needs a draft model (a drafter of "
+            f"trees: {drafter} {', '.join(tree_drafters())}), got {drafter} {self.drafter}; "
+            "use chain or block"
+        )
 
     @property
     def auto_k(self) -> bool:
@@ -222,7 +239,7 @@ def parse_spec(
         method,
         tuple(typed.items()),
         k,
-        _drafter(drafter, text, label) if drafter is not None else base.drafter or DRAFTERS[0],
+        _drafter(drafter, text, label) if drafter is not None else base.drafter or DEFAULT_DRAFTER,
         verification,
         _branches(given.get("branches"), verification, text, label, base),
         None if budget is None else _kl_budget(budget, method, text, label),
@@ -250,11 +267,7 @@ def _num_draft_tokens(value: object, text: bool, label: Callable[[str], str]) ->
 
 
 def _drafter(value: object, text: bool, label: Callable[[str], str]) -> str:
-    drafter = _convert(label("drafter"), value, "", text)
-    if drafter not in DRAFTERS:
-        allowed = ", ".join(DRAFTERS)
-        raise ValueError(f"{label('drafter')} must be one of {allowed}, got {value!r}")
-    return drafter
+    return get_drafter(_convert(label("drafter"), value, "", text), label("drafter")).name
 
 
 def _verification(

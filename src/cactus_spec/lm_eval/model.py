@@ -69,8 +69,8 @@ class CactusSpecLM(TemplateLM):
     is a one-line ValueError naming it and its allowed values): ``verifier`` (default the
     default pair's verifier), ``draft`` (default the default pair's draft, when the method
     drafts with a model), ``method`` (``core.methods.METHODS``) and its parameters (delta,
-    exact, epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (model or ngram), read by
-    ``core.spec.parse_spec`` as the command line's flags are; ``max_batch``
+    exact, epsilon, alpha, k), ``num_draft_tokens``, ``drafter`` (``core.drafters.DRAFTERS``),
+    read by ``core.spec.parse_spec`` as the command line's flags are; ``max_batch``
     (rows decoded and scored at once), ``max_length`` (the longest window the verifier
     reads; default its cache's context length), ``backend``, ``verifier_quant`` (``auto``
     as on the command line), ``draft_quant``, ``draft_vocab`` (the draft head's most
@@ -116,9 +116,7 @@ class CactusSpecLM(TemplateLM):
         models["verifier_quant"] = verifier_quant
         models |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         models |= {"dtype": dtype, "threads": threads, "device": lm_eval_args.device_for(device)}
-        load = parse_load(
-            lm_eval_args.load_args(models), needs_draft=spec.drafts and spec.drafter == "model"
-        )
+        load = parse_load(lm_eval_args.load_args(models), needs_draft=spec.needs_draft_model)
         self.engine = SpeculativeDecoder(**load.as_kwargs(), spec=spec, max_batch=max_batch)
         if self.engine.tokenizer is None:
             raise ValueError("verifier must come with a tokenizer (a name, path or LoadedModel)")

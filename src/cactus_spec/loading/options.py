@@ -87,7 +87,7 @@ def parse_load(
         if key in given and not needs_draft:
             raise ValueError(
                 f"{label(key)} does not apply: nothing is drafted by a model "
-                "(method ar or drafter ngram)"
+                "(method ar, or a drafter without a draft model)"
             )
     defaults = default_pair or (None, None)
     device = str(check_device(given.get("device", "cpu"), label("device")))

@@ -7,7 +7,8 @@ proposes a draft tree when asked for ``branches`` > 1: up to that many nodes at 
 the candidates of a node drawn from p without replacement, the nodes of the next depth given
 to the likeliest paths (``tree_widths``; ``core.tree_verification`` judges them). The engine
 knows drafters only through ``Drafter``; a new drafter (layer skipping, trained
-heads) is a new class here, with no change to the decode loop.
+heads) is a new class (here, or anywhere) registered by name (``drafting``), with no change
+to the decode loop.
 """
 
 from __future__ import annotations

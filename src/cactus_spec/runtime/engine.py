@@ -45,8 +45,8 @@ from cactus_spec.loading.models import (
 from cactus_spec.loading.options import LoadOptions, parse_load
 from cactus_spec.runtime import scoring
 from cactus_spec.runtime.batch import decode_all
-from cactus_spec.runtime.cross_vocab import CrossVocabDrafter
-from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
+from cactus_spec.runtime.drafters import Drafter
+from cactus_spec.runtime.drafting import DrafterParts, build_drafter
 from cactus_spec.runtime.generation import (
     Generation,
     GenerationResult,
@@ -66,11 +66,12 @@ __all__ = ["GenerationResult", "GenerationStats", "SpeculativeDecoder", "check_p
 class SpeculativeDecoder:
     """Decodes with ``verifier`` by ``spec``: its method, K and drafter.
 
-    ``draft`` is the draft model, needed when the spec drafts with the ``model`` drafter and
-    refused otherwise (``ar`` drafts nothing; ``ngram`` looks up the context). A request may
-    bring its own spec (``generate``, ``decode_many``, the server's ``speculative``), with
-    this engine's drafter. A draft whose tokenizer differs from the verifier's drafts text
-    that is encoded again for the verifier (``cross_vocab``). ``max_draft_tokens`` bounds K
+    ``draft`` is the draft model, needed when the spec's drafter needs one
+    (``DecodeSpec.needs_draft_model``) and refused otherwise; the drafter is built by its
+    registered builder (``drafting``). A request may bring its own spec (``generate``,
+    ``decode_many``, the server's ``speculative``), with this engine's drafter (``resolve``).
+    A draft whose tokenizer differs from the verifier's drafts text that is encoded again for
+    the verifier (``cross_vocab``). ``max_draft_tokens`` bounds K
     for every row (the serving policy's cap, and what ``check_context`` reserves for drafts);
     default: the spec's K.
 
@@ -118,8 +119,7 @@ class SpeculativeDecoder:
         given["verifier_quant"] = verifier_quant
         given |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         given |= {"dtype": dtype, "device": device, "threads": threads}
-        needs_draft = spec.drafts and spec.drafter == "model"
-        options = parse_load(given, needs_draft=needs_draft, default_pair=None)
+        options = parse_load(given, needs_draft=spec.needs_draft_model, default_pair=None)
         self.verifier = as_loaded(
             "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
         )
@@ -129,6 +129,7 @@ class SpeculativeDecoder:
         self.vocab_size = self._backend.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, len(self.tokenizer))
+        self._drafts_text = False  # a draft of another tokenizer: its text is encoded again
         self._drafter = self._make_drafter(options)
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
@@ -136,25 +137,27 @@ class SpeculativeDecoder:
         self._policy = policy  # generate's where K is left open; None: timed when first needed
 
     def _make_drafter(self, options: LoadOptions) -> Drafter | None:
+        """The spec's drafter, from its registered builder; the draft model loaded first
+        where it needs one (a draft of the verifier's tokenizer sets the vocabulary)."""
         if not self.spec.drafts:
             return None
-        if self.spec.drafter == "ngram":
-            return NGramDrafter()
-        assert options.draft is not None  # _check_draft: the model drafter has a draft model
-        loaded = as_loaded(
-            "draft",
-            options.draft,
-            **options.model_kwargs(),
-            quant=options.draft_quant,
-            head_vocab=options.draft_vocab,
-        )
-        draft_backend = make_backend(loaded, options.backend, self.max_batch)
-        if tokenizers_differ(self.verifier, loaded):
-            assert loaded.tokenizer is not None and self.tokenizer is not None  # both differ
-            drafter = ModelDrafter(draft_backend, len(loaded.tokenizer), loaded.head_tokens)
-            return CrossVocabDrafter(drafter, loaded.tokenizer, self.tokenizer)
-        self.vocab_size = check_same_vocabulary(self.verifier, loaded)
-        return ModelDrafter(draft_backend, self.vocab_size, loaded.head_tokens)
+        assert self.spec.drafter is not None  # a spec that drafts names its drafter
+        parts = DrafterParts(self.verifier, self.vocab_size)
+        if self.spec.needs_draft_model:
+            assert options.draft is not None  # _check_draft: one was given
+            draft = as_loaded(
+                "draft",
+                options.draft,
+                **options.model_kwargs(),
+                quant=options.draft_quant,
+                head_vocab=options.draft_vocab,
+            )
+            self._drafts_text = tokenizers_differ(self.verifier, draft)
+            if not self._drafts_text:
+                self.vocab_size = check_same_vocabulary(self.verifier, draft)
+            backend = make_backend(draft, options.backend, self.max_batch)
+            parts = DrafterParts(self.verifier, self.vocab_size, draft, backend)
+        return build_drafter(self.spec.drafter, parts)
 
     # --- what callers read ----------------------------------------------------------------
 
@@ -380,8 +383,7 @@ class SpeculativeDecoder:
         check_seed(request.seed)
         check_int("max_new_tokens", request.max_new_tokens)
         check_stops(request.stop)
-        own = self._spec(request.spec or spec)
-        self._check_drafter(own)
+        own = self.resolve(request.spec or spec)
         self.check_context(len(request.prompt_ids), request.max_new_tokens, own)
 
     def score(
@@ -414,9 +416,9 @@ class SpeculativeDecoder:
     def new_generation(self, request: Request, row: int) -> Generation:
         """The generation of ``request``, begun in ``row``: the row keeps the longest prefix its
         caches share with the prompt (``Stepper.start``); its spec must draft with this
-        engine's drafter, or draft nothing (checked before its grammar compiles)."""
+        engine's drafter, or draft nothing (``resolve``, before its grammar compiles)."""
         if request.spec is not None:
-            self._check_drafter(request.spec)
+            self.resolve(request.spec)
         generation = Generation(
             request,
             eos_ids=_ends(self.verifier.eos_ids, request),
@@ -462,16 +464,49 @@ class SpeculativeDecoder:
         """Let the drafter read up to ``budget`` tokens it lags (``Stepper.catch_up``)."""
         return self._stepper.catch_up(generations, budget)
 
+    def resolve(self, spec: DecodeSpec | None = None, *, seeded: bool = False) -> DecodeSpec:
+        """The spec a request decodes by on this engine: ``spec`` (default: the engine's),
+        checked against the engine (``_check_drafter``: ValueError naming what is missing),
+        with K pinned to ``draft_tokens`` where ``seeded`` and K is left open: the policy's K
+        depends on what else is decoding, and a row's draws depend on K, so the seed would
+        not reproduce its tokens. Every request the engine decodes is resolved here."""
+        spec = self._spec(spec)
+        self._check_drafter(spec)
+        if seeded and spec.auto_k:
+            return spec.with_num_draft_tokens(self.draft_tokens(spec))
+        return spec
+
     def _check_drafter(self, spec: DecodeSpec) -> None:
-        """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter (for
-        draft trees: a draft model of the verifier's vocabulary, both on the lean backend)."""
+        """ValueError unless ``spec`` drafts nothing or drafts with this engine's drafter; a
+        draft tree needs a drafter of trees (``DecodeSpec.check_trees``), a draft of the
+        verifier's tokenizer and token-tree attention in both models."""
         if spec.drafts and spec.drafter != self.spec.drafter:
             have = f"drafts with {self.spec.drafter}" if self.spec.drafts else "has no drafter"
             raise ValueError(
                 f"method {spec.method} drafts with {spec.drafter}, but this engine {have}"
             )
         if spec.trees:
-            _check_trees(spec, self._drafter, self._backend)
+            spec.check_trees()
+            self._check_tree_models(spec)
+
+    def _check_tree_models(self, spec: DecodeSpec) -> None:
+        """A draft tree needs a draft of the verifier's tokenizer (a cross-vocabulary draft
+        proposes one text) and token-tree attention in the verifier and the draft."""
+        if self._drafts_text:
+            raise ValueError(
+                f"verification {spec.verification} needs a draft model with the verifier's "
+                "tokenizer (this engine's draft drafts text); use chain or block"
+            )
+        backends: dict[str, Backend] = {"verifier": self._backend}
+        if self._drafter is not None and self._drafter.backend is not None:
+            backends["draft"] = self._drafter.backend
+        for name, backend in backends.items():
+            if not backend.reads_trees:
+                raise ValueError(
+                    f"verification {spec.verification} needs token-tree attention, which the "
+                    f"{name}'s backend ({type(backend).__name__}) lacks; use the lean backend "
+                    "(--backend lean)"
+                )
 
     def _spec(self, spec: DecodeSpec | None) -> DecodeSpec:
         if spec is None:
@@ -499,27 +534,12 @@ def _max_draft_tokens(spec: DecodeSpec, given: int | None) -> int:
     return given
 
 
-def _check_trees(spec: DecodeSpec, drafter: Drafter | None, verifier: Backend) -> None:
-    """Draft trees need a draft model that samples in the verifier's vocabulary (a cross-
-    vocabulary draft proposes one text) and token-tree attention in both models."""
-    if not isinstance(drafter, ModelDrafter):
-        raise ValueError(
-            f"verification {spec.verification} needs a draft model with the verifier's "
-            f"tokenizer (this engine drafts with {type(drafter).__name__}); use chain or block"
-        )
-    for name, backend in (("verifier", verifier), ("draft", drafter.backend)):
-        if not backend.reads_trees:
-            raise ValueError(
-                f"verification {spec.verification} needs token-tree attention, which the "
-                f"{name}'s backend ({type(backend).__name__}) lacks; use the lean backend "
-                "(--backend lean)"
-            )
-
-
 def _check_draft(spec: DecodeSpec, draft: ModelSource | None) -> None:
-    """The model drafter needs a draft model (``parse_load`` refuses one elsewhere)."""
-    if spec.drafts and spec.drafter == "model" and draft is None:
-        raise ValueError(f"method {spec.method} with the model drafter needs a draft model")
+    """A drafter that needs a draft model has one (``parse_load`` refuses one elsewhere)."""
+    if spec.needs_draft_model and draft is None:
+        raise ValueError(
+            f"method {spec.method} with the {spec.drafter} drafter needs a draft model"
+        )
 
 
 def check_prompt_text(prompt: str) -> None:

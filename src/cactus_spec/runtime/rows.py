@@ -52,7 +52,7 @@ class Rows(Protocol):
 
 class ServingEngine(Rows, Protocol):
     """What a server reads of the engine beyond ``Rows``: its spec and vocabulary, and its
-    checks of a request before the request is queued (prompt, context, grammar)."""
+    checks of a request before the request is queued (spec, prompt, context, grammar)."""
 
     spec: DecodeSpec
     tokenizer: PreTrainedTokenizerBase | None
@@ -76,6 +76,10 @@ class ServingEngine(Rows, Protocol):
         template: str | None = None,
     ) -> list[int]:
         """Chat messages with ``tools`` offered, through ``template`` -> ids."""
+
+    def resolve(self, spec: DecodeSpec | None = None, *, seeded: bool = False) -> DecodeSpec:
+        """The spec a request decodes by, checked against the engine (ValueError), with K
+        pinned where ``seeded`` leaves it open."""
 
     def check_context(
         self, prompt_tokens: int, max_new_tokens: int, spec: DecodeSpec | None = None

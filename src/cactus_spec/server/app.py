@@ -271,9 +271,9 @@ class _Handler:
             )
 
     def _spec(self, body: SamplingFields) -> DecodeSpec:
-        """The request's spec. A seeded request that leaves K open drafts the server's
-        largest K: K decided by the policy would depend on what else the server serves, and
-        a row's draws depend on K, so the seed would not reproduce its tokens."""
+        """The request's spec, resolved against the engine (``resolve``: a seeded request
+        that leaves K open drafts the server's largest K, so its seed reproduces it); a 400
+        naming ``speculative`` when the engine cannot decode by it."""
         spec = speculative_spec(body.speculative, self.engine.spec)
         if spec.drafts and not self.engine.spec.drafts:
             raise APIError(
@@ -282,9 +282,10 @@ class _Handler:
                 "no drafter, so only method ar is served",
                 "speculative",
             )
-        if body.seed is not None and spec.drafts and spec.num_draft_tokens is None:
-            spec = spec.with_num_draft_tokens(self.engine.draft_tokens(spec))
-        return spec
+        try:
+            return self.engine.resolve(spec, seeded=body.seed is not None)
+        except ValueError as err:
+            raise APIError(400, f"speculative: {err}", "speculative") from None
 
     def _check_context(
         self,
