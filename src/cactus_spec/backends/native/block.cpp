@@ -226,18 +226,23 @@ constexpr int64_t kQueryByQuery = 16;
 
 // attended [m, heads, d] as attend<false> computes it, for long causal feeds: per row, torch's
 // scaled_dot_product_attention (its CPU kernel is blocked and flash-style: it reads each block
-// of keys once per block of queries, where attend reads every key once per query) in the
-// cache's dtype, the row's queries rounded to it as its keys are. A feed from slot 0 is
-// causal as the kernel means it; a later one sees its cached slots through a mask.
+// of keys once per block of queries, where attend reads every key once per query) in bfloat16,
+// the row's queries, keys and values rounded to it, a float32 cache's too: the kernel runs
+// about 3x faster in bfloat16 than in float32 here, and the rounding leaves the int8
+// verifier's law no further from the bfloat16 model's (docs/RESULTS.md, "Prompt reads"). A
+// feed from slot 0 is causal as the kernel means it; a later one sees its cached slots
+// through a mask.
 void attend_blocked(const Tokens& tk, const float* q, const torch::Tensor& keys,
                     const torch::Tensor& values, float* attended) {
   for (int64_t i = 0; i < tk.b; ++i) {
     const int64_t seen = tk.starts[i] + tk.count, size = tk.count * tk.heads * tk.d;
     auto query = torch::from_blob(const_cast<float*>(q) + i * size, {1, tk.count, tk.heads, tk.d})
                      .transpose(1, 2)
-                     .to(keys.scalar_type());  // [1, H, T, D]
-    auto row_keys = keys.select(0, tk.rows[i]).narrow(1, 0, seen).unsqueeze(0);  // [1, H_kv, S, D]
-    auto row_values = values.select(0, tk.rows[i]).narrow(1, 0, seen).unsqueeze(0);
+                     .to(at::kBFloat16);  // [1, H, T, D]
+    auto row = [&](const torch::Tensor& cache) {  // [1, H_kv, S, D]
+      return cache.select(0, tk.rows[i]).narrow(1, 0, seen).unsqueeze(0).to(at::kBFloat16);
+    };
+    auto row_keys = row(keys), row_values = row(values);
     std::optional<torch::Tensor> mask;
     if (tk.starts[i] > 0) {
       auto slots = torch::arange(seen, torch::kLong);
