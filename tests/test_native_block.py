@@ -112,13 +112,13 @@ def _check_long(kind: str, got, expected, exact) -> None:
 
 
 def _long_feeds(arch: str, kind: str, monkeypatch, swap: bool = False) -> None:
-    """Two rows read feeds of 40 and 23 tokens, then 30 and 17 more: the native and Python
+    """Two rows read feeds of 70 and 45 tokens, then 50 and 33 more: the native and Python
     blocks' logits of each (``swap``: the Python side reads each feed's first two tokens
     swapped, the control)."""
     models = _fused_and_python(arch, kind, monkeypatch)
     fused, python, exact = (LeanBackend(m, batch=2) for m in models)
     g = torch.Generator().manual_seed(0)
-    for lengths in ((40, 23), (30, 17)):
+    for lengths in ((70, 45), (50, 33)):
         feeds = [torch.randint(0, 100, (n,), generator=g).tolist() for n in lengths]
         other = [[f[1], f[0], *f[2:]] for f in feeds] if swap else feeds
         outs = (
@@ -132,7 +132,7 @@ def _long_feeds(arch: str, kind: str, monkeypatch, swap: bool = False) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", MODELS)
 def test_long_feeds_attend_in_blocks_as_the_python_block_does(arch, kind, monkeypatch) -> None:
-    """Feeds of more than 16 tokens a row take the blocked attention: from slot 0 (causal as
+    """Feeds of more than 32 tokens a row take the blocked attention: from slot 0 (causal as
     the kernel means it), after cached slots (a mask), on rows of different lengths."""
     _long_feeds(arch, kind, monkeypatch)
 

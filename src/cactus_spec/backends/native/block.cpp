@@ -220,9 +220,11 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
   });
 }
 
-// Up to this many new tokens per row, attention runs query by query (attend): a prompt's
-// chunk of more runs as blocked matrix products (attend_blocked), as the Python block does.
-constexpr int64_t kQueryByQuery = 16;
+// Up to this many new tokens per row, attention runs query by query in float32 (attend): a
+// decode step, and a chain's verification at any K below 32; a prompt's chunk of more (the
+// server reads 64 a turn) runs as blocked matrix products (attend_blocked), as the Python
+// block does.
+constexpr int64_t kQueryByQuery = 32;
 
 // attended [m, heads, d] as attend<false> computes it, for long causal feeds: per row, torch's
 // scaled_dot_product_attention (its CPU kernel is blocked and flash-style: it reads each block
