@@ -166,3 +166,30 @@ def test_a_prompt_read_in_chunks_is_the_prompt_read_whole(kind, monkeypatch) -> 
         assert all(_gap(a, b) < 2e-2 for a, b in zip(got, whole, strict=True)), size
     shifted = _chunked(fused, prompt, 17, shift=True)
     assert not all(_gap(a, b) < 2e-2 for a, b in zip(shifted, whole, strict=True))
+
+
+def _keys_after(model, steps: list[list[int]]) -> list[torch.Tensor]:
+    """Every layer's cached keys after a prompt and then ``steps`` fed one call each."""
+    backend = LeanBackend(model)
+    backend.append([3, 17, 42, 8, 99])
+    for step in steps:
+        backend.append(step)
+    return [backend.cache.layer(layer)[0].clone() for layer in range(len(model.blocks))]
+
+
+def _one_call_is_steps(model, tokens: list[int]) -> bool:
+    """Whether reading ``tokens`` in one call leaves the bits of reading them one at a time."""
+    together, alone = _keys_after(model, [tokens]), _keys_after(model, [[t] for t in tokens])
+    return all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chains_verification_has_the_bits_of_its_decode_steps(kind, monkeypatch) -> None:
+    """Eleven tokens in one call (a chain's verification at K = 10) leave every layer's keys
+    with the bits that eleven decode steps leave: each row's products and each query's
+    attention are computed as they would be alone, so a lossless rule verifies with the q that
+    plain decoding samples from. Control: a feed of 40 tokens (attention blocked in bfloat16)
+    does not."""
+    fused = _fused_and_python("qwen2", kind, monkeypatch)[0]
+    assert _one_call_is_steps(fused, list(range(20, 31)))
+    assert not _one_call_is_steps(fused, list(range(20, 60)))

@@ -31,6 +31,21 @@ void configure_tiles(int64_t rows);
   } else {                       \
     _tile_dpbusd(c, 4, b);       \
   }
+// The four weight tiles of a step this many steps ahead are fetched into the L1 cache while
+// the step's products run: a tile load does not start the hardware's stream prefetch as
+// vector loads do, and without it a block of 2-16 rows ran at about half the memory's rate
+// (docs/RESULTS.md, "Kernels").
+constexpr int64_t kTilesAhead = 2;
+
+// Fetch the 16 lines of each of the four tiles at w, tile_stride apart.
+inline void prefetch_tiles(const uint8_t* w, int64_t tile_stride) {
+  for (int t = 0; t < 4; ++t) {
+    for (int line = 0; line < 1024; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + line), _MM_HINT_T0);
+    }
+  }
+}
+
 template <bool kBf16>
 void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, void* sums) {
   const int64_t tile_stride = 16 * row_bytes;
@@ -40,6 +55,7 @@ void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, v
   _tile_zero(3);
   for (int64_t at = 0; at < row_bytes; at += 64) {
     const uint8_t* w = stripe + at * 16;
+    prefetch_tiles(w + kTilesAhead * 1024, tile_stride);
     _tile_loadd(4, rows + at, row_bytes);
     _tile_loadd(5, w, 64);
     CACTUS_TILE_DOT(0, 5)

@@ -169,29 +169,51 @@ const float* as_floats(const T* row, int64_t n, int64_t d, std::vector<float>& c
   }
 }
 
-// out [d] = sum_j softmax_j(<query, keys[j]> scale) values[j] over the slots j < visible, or
-// over those of them `seen` shows when kMasked (the causal path tests nothing per slot).
+// One query of a row's key/value head: its projection, where its output goes, the slots it
+// sees (j < visible, and of them those `shown` shows when the feed is masked).
+struct Query {
+  const float* q;
+  float* out;
+  int64_t visible;
+  const bool* shown;
+};
+
+// out [d] = sum_j softmax_j(<q, keys[j]> scale) values[j] over the slots each query sees, for
+// the queries of one row's key/value head (its group's heads times the feed's tokens) at
+// once: each key and value is read from memory once for all of them, and each query's sums
+// run in the order of its slots as they would alone (so a token's output has the same bits
+// whatever else its feed holds: a chain's verification reproduces a decode step's q).
 template <bool kMasked>
-void attend_query(const float* query, const float* keys, const float* values, int64_t visible,
-                  const bool* seen, int64_t d, float scale, std::vector<float>& scores,
-                  float* out) {
-  scores.assign(visible, 0.0f);
-  float top = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) {
-    if constexpr (kMasked) if (!seen[j]) continue;
-    scores[j] = dot(query, keys + j * d, d) * scale;
-    top = std::max(top, scores[j]);
+void attend_group(const std::vector<Query>& queries, const float* keys, const float* values,
+                  int64_t seen, int64_t d, float scale, std::vector<float>& scores) {
+  const int64_t n = static_cast<int64_t>(queries.size());
+  auto sees = [&](const Query& query, int64_t j) {
+    if constexpr (kMasked) return j < query.visible && query.shown[j];
+    return j < query.visible;
+  };
+  scores.assign(n * seen, 0.0f);  // [n, S]
+  for (int64_t j = 0; j < seen; ++j) {
+    for (int64_t at = 0; at < n; ++at) {
+      if (sees(queries[at], j)) scores[at * seen + j] = dot(queries[at].q, keys + j * d, d) * scale;
+    }
   }
-  float total = 0.0f;
-  for (int64_t j = 0; j < visible; ++j) {
-    if constexpr (kMasked) if (!seen[j]) continue;
-    total += scores[j] = std::exp(scores[j] - top);
+  std::vector<float> totals(n);
+  for (int64_t at = 0; at < n; ++at) {
+    float* row = scores.data() + at * seen;
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) top = std::max(top, row[j]);
+    for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) total += row[j] = std::exp(row[j] - top);
+    totals[at] = total;
+    std::fill_n(queries[at].out, d, 0.0f);
   }
-  std::fill_n(out, d, 0.0f);
-  for (int64_t j = 0; j < visible; ++j) {
-    if constexpr (kMasked) if (!seen[j]) continue;
-    const float weight = scores[j] / total;
-    for (int64_t c = 0; c < d; ++c) out[c] += weight * values[j * d + c];
+  for (int64_t j = 0; j < seen; ++j) {
+    const float* value = values + j * d;
+    for (int64_t at = 0; at < n; ++at) {
+      if (!sees(queries[at], j)) continue;
+      const float weight = scores[at * seen + j] / totals[at];
+      float* out = queries[at].out;
+      for (int64_t c = 0; c < d; ++c) out[c] += weight * value[c];
+    }
   }
 }
 
@@ -203,28 +225,29 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, tk.b * tk.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, key_copy, value_copy;
+    std::vector<Query> queries;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / tk.kv_heads, g = job % tk.kv_heads;
       const int64_t seen = tk.starts[i] + tk.count, first = (tk.rows[i] * tk.kv_heads + g) * capacity * d;
-      const float* keys = as_floats(key_cache + first, seen, d, key_copy);
-      const float* values = as_floats(value_cache + first, seen, d, value_copy);
+      queries.clear();
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t t = 0; t < tk.count; ++t) {
-          const int64_t r = i * tk.count + t;
-          const bool* shown = kMasked ? tk.mask + r * tk.span : nullptr;
-          attend_query<kMasked>(q + (r * tk.heads + h) * d, keys, values, tk.starts[i] + t + 1,
-                                shown, d, scale, scores, attended + (r * tk.heads + h) * d);
+          const int64_t r = i * tk.count + t, at = (r * tk.heads + h) * d;
+          queries.push_back({q + at, attended + at, tk.starts[i] + t + 1,
+                             kMasked ? tk.mask + r * tk.span : nullptr});
         }
       }
+      attend_group<kMasked>(queries, as_floats(key_cache + first, seen, d, key_copy),
+                            as_floats(value_cache + first, seen, d, value_copy), seen, d, scale,
+                            scores);
     }
   });
 }
 
-// Up to this many new tokens per row, attention runs query by query in float32 (attend): a
-// decode step, and a chain's verification at any K below 32; a prompt's chunk of more (the
-// server reads 64 a turn) runs as blocked matrix products (attend_blocked), as the Python
-// block does.
-constexpr int64_t kQueryByQuery = 32;
+// Up to this many new tokens per row, attention runs in float32 (attend: a decode step, a
+// chain's verification at any K below 32, a draft tree's nodes at any size); a prompt's chunk
+// of more (the server reads 64 a turn) runs blocked in bfloat16 (attend_blocked).
+constexpr int64_t kFloat32Tokens = 32;
 
 // attended [m, heads, d] as attend<false> computes it, for long causal feeds: per row, torch's
 // scaled_dot_product_attention (its CPU kernel is blocked and flash-style: it reads each block
@@ -265,15 +288,16 @@ void attention(const Tokens& tk, float* q, float* k, const float* v, const torch
                float* attended) {
   const torch::Tensor c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
   const int64_t capacity = keys.size(2);
-  const bool blocked = !tk.mask && tk.count > kQueryByQuery;
+  const bool blocked = !tk.mask && tk.count > kFloat32Tokens;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, keys.scalar_type(), "attention", [&] {
     scalar_t* key_cache = keys.data_ptr<scalar_t>();
     scalar_t* value_cache = values.data_ptr<scalar_t>();
     rotate_and_store(tk, q, k, v, c.data_ptr<float>(), s.data_ptr<float>(), key_cache,
                      value_cache, capacity);
+    if (blocked) return;
     if (tk.mask) {
       attend<true>(tk, q, key_cache, value_cache, capacity, attended);
-    } else if (!blocked) {
+    } else {
       attend<false>(tk, q, key_cache, value_cache, capacity, attended);
     }
   });
