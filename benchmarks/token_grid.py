@@ -1,9 +1,10 @@
 """Decode a fixed grid and write every token, to show a refactor changed no output.
 
 The grid: two model pairs (SmolLM2-135M verifying its own int8 copy, and the default pair),
-the methods AR, SpS, Cactus(delta = 0.5) in closed form and exact, and TAS, each with the
-model drafter and the n-gram drafter; every configuration alone (one row) and five rows of
-mixed methods decoded together; seeds 0, 1, 2; 64 new tokens at the default sampling.
+the methods AR, SpS, Cactus(delta = 0.5) in closed form and exact, and TAS, each with every
+registered drafter (``core.drafters.DRAFTERS``: model and n-gram); every configuration alone
+(one row) and five rows of mixed methods decoded together; seeds 0, 1, 2; 64 new tokens at
+the default sampling.
 
     python benchmarks/token_grid.py --out A.jsonl            # decode (resumes a partial file)
     python benchmarks/token_grid.py --compare A.jsonl B.jsonl
@@ -19,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
+
 PAIRS = {
     "smollm2": ("smollm2-135m", "smollm2-135m"),
     "default": ("qwen-coder-1.5b", "qwen-coder-0.5b"),
@@ -30,7 +33,6 @@ METHODS = {
     "cactus-0.5-exact": ("cactus", {"delta": 0.5, "exact": True}),
     "tas": ("tas", {}),
 }
-DRAFTERS = ("model", "ngram")
 SEEDS = (0, 1, 2)
 NEW_TOKENS = 64
 K = 6
@@ -52,8 +54,8 @@ def cases() -> list[dict]:
         for drafter in DRAFTERS:
             for seed in SEEDS:
                 for method in METHODS:
-                    if method == "ar" and drafter == "ngram":
-                        continue  # AR drafts nothing: the model-drafter case covers it
+                    if method == "ar" and drafter != DEFAULT_DRAFTER:
+                        continue  # AR drafts nothing: the default drafter's case covers it
                     out.append({"pair": pair, "drafter": drafter, "seed": seed, "rows": [method]})
                 out.append({"pair": pair, "drafter": drafter, "seed": seed, "rows": list(MIXED)})
     return out
@@ -104,7 +106,7 @@ def run(out: Path) -> None:
             slot = (case["pair"], case["drafter"])
             if slot not in engines:
                 engines.clear()
-                model_draft = draft if case["drafter"] == "model" else None
+                model_draft = draft if DRAFTERS[case["drafter"]].needs_draft_model else None
                 spec = spec_of("sps", case["drafter"])
                 engines[slot] = SpeculativeDecoder(target, model_draft, spec, max_batch=len(MIXED))
             tokens = decode(engines[slot], case)

@@ -18,6 +18,7 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.fetch import fetch
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.runtime.cross_vocab import CrossVocabDrafter, added_text
+from cactus_spec.runtime.drafters import ModelDrafter
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 
@@ -53,6 +54,9 @@ def test_a_draft_with_another_tokenizer_drafts_text() -> None:
     assert drafter.draft_context(0, context) == DRAFT_TOKENIZER("abcab").input_ids
     drafted = DRAFT_TOKENIZER("dabc").input_ids  # [da, bc]
     assert drafter.verifier_tokens([3], drafted) == [3, 4, 2]  # d, ab, c
+    same = LoadedModel(make_tiny_lm(vocab_size=7, seed=0), VERIFIER_TOKENIZER, "d", None)
+    plain = SpeculativeDecoder(verifier, same, DecodeSpec.of("sps", num_draft_tokens=3))
+    assert isinstance(plain._drafter, ModelDrafter)  # negative control: same tokenizer, ids
 
 
 def test_the_drafted_text_keeps_characters_split_across_tokens_and_drops_a_cut_one() -> None:

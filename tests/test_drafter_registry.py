@@ -23,7 +23,7 @@ from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import LoadedModel
 from cactus_spec.loading.options import LoadOptions
-from cactus_spec.runtime.drafters import Draft, DraftRequest
+from cactus_spec.runtime.drafters import Draft, DraftRequest, StatelessDrafter
 from cactus_spec.runtime.drafting import BUILDERS, register_drafter
 from cactus_spec.runtime.engine import SpeculativeDecoder
 from cactus_spec.server.build import build_server
@@ -35,24 +35,8 @@ PROMPT = "Count in words: one, two, three, four, five, six, seven,"
 MODEL_ID = "smollm2-135m"
 
 
-class RepeatLast:
+class RepeatLast(StatelessDrafter):
     """Proposes the context's last token K times: no model, no state, mostly wrong."""
-
-    backend = None
-
-    def reset(self, row: int | None = None) -> None:
-        """Nothing to forget."""
-
-    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
-        return 0
-
-    def behind(self, row: int, context: Sequence[int]) -> int:
-        return 0
-
-    def catch_up(
-        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
-    ) -> int:
-        return 0
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [Draft([r.context[-1]] * r.num_draft_tokens, None) for r in requests]

@@ -49,6 +49,7 @@ _EXPORTS = {
     "Draft": "cactus_spec.runtime.drafters",
     "ModelDrafter": "cactus_spec.runtime.drafters",
     "NGramDrafter": "cactus_spec.runtime.drafters",
+    "StatelessDrafter": "cactus_spec.runtime.drafters",
     "DRAFTERS": "cactus_spec.core.drafters",
     "register_drafter": "cactus_spec.runtime.drafting",
     "DrafterParts": "cactus_spec.runtime.drafting",

@@ -391,7 +391,31 @@ def _drafts_more(request: DraftRequest, confidences: list[float]) -> bool:
     return request.keep_drafting is None or request.keep_drafting(confidences)
 
 
-class NGramDrafter:
+class StatelessDrafter:
+    """A ``Drafter`` without a model or a cache: it reads the whole context at each proposal,
+    so it has nothing to forget, keep or catch up on. A subclass defines ``propose``."""
+
+    backend = None  # no draft model
+
+    def reset(self, row: int | None = None) -> None:
+        """Nothing to forget."""
+
+    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
+        """Nothing to keep."""
+        return 0
+
+    def behind(self, row: int, context: Sequence[int]) -> int:
+        """Nothing to read: it looks at the whole context each time."""
+        return 0
+
+    def catch_up(
+        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
+    ) -> int:
+        """Nothing to read."""
+        return 0
+
+
+class NGramDrafter(StatelessDrafter):
     """Prompt lookup: continue the latest earlier occurrence of the context's last n-gram.
 
     Tries n = max_ngram down to min_ngram and proposes the up to K tokens that
@@ -407,24 +431,6 @@ class NGramDrafter:
             )
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.backend = None
-
-    def reset(self, row: int | None = None) -> None:
-        """Stateless: nothing to forget."""
-
-    def start(self, row: int, prompt: Sequence[int], reuse: bool) -> int:
-        """Stateless: nothing to keep."""
-        return 0
-
-    def behind(self, row: int, context: Sequence[int]) -> int:
-        """Nothing to read: it looks at the whole context each time."""
-        return 0
-
-    def catch_up(
-        self, rows: Sequence[int], contexts: Sequence[Sequence[int]], budget: int | None
-    ) -> int:
-        """Nothing to read."""
-        return 0
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self.propose_one(r.context, r.num_draft_tokens) for r in requests]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cactus_spec.backends.base import Backend
 from cactus_spec.core.drafters import DRAFTERS, DrafterKind
-from cactus_spec.loading.models import LoadedModel, tokenizers_differ
+from cactus_spec.loading.models import LoadedModel
 from cactus_spec.runtime.cross_vocab import CrossVocabDrafter
 from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
 
@@ -22,13 +22,15 @@ from cactus_spec.runtime.drafters import Drafter, ModelDrafter, NGramDrafter
 @dataclass(frozen=True)
 class DrafterParts:
     """What a drafter is built from: the ``verifier``, the ``vocab_size`` its drafts' ids lie
-    in, and, for a drafter that needs a draft model, the ``draft`` and its ``draft_backend``
-    (None otherwise)."""
+    in, and, for a drafter that needs a draft model, the ``draft``, its ``draft_backend``
+    (None otherwise) and ``drafts_text``: whether the draft's tokenizer differs from the
+    verifier's (``loading.models.tokenizers_differ``), so that it drafts text."""
 
     verifier: LoadedModel
     vocab_size: int
     draft: LoadedModel | None = None
     draft_backend: Backend | None = None
+    drafts_text: bool = False
 
 
 Build = Callable[[DrafterParts], Drafter]
@@ -38,7 +40,7 @@ def _model_drafter(parts: DrafterParts) -> Drafter:
     """The draft model samples; a draft with another tokenizer drafts text (``cross_vocab``)."""
     draft, backend = parts.draft, parts.draft_backend
     assert draft is not None and backend is not None  # the model drafter needs a draft model
-    if not tokenizers_differ(parts.verifier, draft):
+    if not parts.drafts_text:
         return ModelDrafter(backend, parts.vocab_size, draft.head_tokens)
     assert draft.tokenizer is not None and parts.verifier.tokenizer is not None  # they differ
     drafter = ModelDrafter(backend, len(draft.tokenizer), draft.head_tokens)

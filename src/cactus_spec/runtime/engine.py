@@ -156,7 +156,7 @@ class SpeculativeDecoder:
             if not self._drafts_text:
                 self.vocab_size = check_same_vocabulary(self.verifier, draft)
             backend = make_backend(draft, options.backend, self.max_batch)
-            parts = DrafterParts(self.verifier, self.vocab_size, draft, backend)
+            parts = DrafterParts(self.verifier, self.vocab_size, draft, backend, self._drafts_text)
         return build_drafter(self.spec.drafter, parts)
 
     # --- what callers read ----------------------------------------------------------------
