@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHAPES = [(1, 896, 128), (3, 101, 37), (5, 64, 130), (9, 40, 64), (13, 200, 96)]  # (M, K, N)
+#: More rows than one AMX tile holds: two tiles at once, then one (37), or two with a short one.
+MANY_ROWS = [(20, 96, 70), (37, 200, 130)]
 
 
 def _layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,7 +42,7 @@ def _reference(x: torch.Tensor, codes, scale, bias, per_row: bool = True) -> tor
     return (low + step * u).double() @ (codes.double() * scale.double()[:, None]).T + bias
 
 
-@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, *MANY_ROWS])
 def test_products_are_the_algebra_of_per_row_codes(m, k, n) -> None:
     codes, scale, bias = _layer(k, n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3 + 0.5
@@ -68,7 +70,7 @@ def test_one_hot_rows_read_back_every_weight() -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, *MANY_ROWS])
 def test_each_row_gives_the_same_bits_as_alone(m, k, n, kind) -> None:
     layer = _layer(k, n) if kind == "int8" else _int4_layer(k, n)
     run = _run if kind == "int8" else _run4
