@@ -250,7 +250,7 @@ def run_step(args, batches=(1, 8), k: int = 4, vocab: int = 151_936, calls: int 
 
     from cactus_spec.core.spec import DecodeSpec
     from cactus_spec.integrations.vllm import plugin
-    from cactus_spec.integrations.vllm.sampler import Batch, Current
+    from cactus_spec.integrations.vllm.calls import calling
 
     original = rejection_sampler.rejection_sample
     plugin.register()
@@ -301,11 +301,10 @@ def run_step(args, batches=(1, 8), k: int = 4, vocab: int = 151_936, calls: int 
             times: dict[str, list[float]] = {name: [] for name in specs}
             for _ in range(calls):
                 for name, (function, spec) in specs.items():
-                    Current.batch = Batch([str(i) for i in range(b)], [spec] * b)
-                    began = time.perf_counter()
-                    function(*call_args)
-                    times[name].append(time.perf_counter() - began)
-                    Current.batch = None
+                    with calling({i: (str(i), spec) for i in range(b)}):
+                        began = time.perf_counter()
+                        function(*call_args)
+                        times[name].append(time.perf_counter() - began)
             plugin.METER.tallies.clear()
             for name, seconds in times.items():
                 write(

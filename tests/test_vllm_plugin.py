@@ -13,10 +13,11 @@ from cactus_spec.core.block_verification import verify_block
 from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.integrations.vllm.calls import RuleRow, rule_targets, spans
 from cactus_spec.integrations.vllm.meter import METER_FILE_ENV, Chain, Meter
 from cactus_spec.integrations.vllm.plugin import check_version, resolve, resolve_all
 from cactus_spec.integrations.vllm.requests import default_spec, request_spec
-from cactus_spec.integrations.vllm.sampler import RuleRow, judge_blocks, rule_targets, spans
+from cactus_spec.integrations.vllm.sampler import judge_blocks
 from cactus_spec.runtime.drafters import Draft
 from cactus_spec.runtime.verifications import Block, Verification
 
@@ -91,7 +92,7 @@ def test_rule_targets_replace_only_the_rule_rows_with_h() -> None:
     p = torch.softmax(torch.randn(7, 40, generator=gen), -1)
     ids = torch.multinomial(p, 1, generator=gen).squeeze(-1).to(torch.int32)
     assert spans([3, 0, 4]) == [(0, 3), (3, 3), (3, 7)]
-    targets = rule_targets(q, ids, p, [(CACTUS, (3, 7))])
+    targets = rule_targets(q, ids, p, [RuleRow(1, "a", CACTUS, (3, 7), CHAIN)])
     assert torch.equal(targets[:3], q[:3])
     assert torch.equal(targets[3:], CACTUS.rule.h(q[3:], ids[3:].long(), p[3:]))
 
@@ -266,7 +267,8 @@ def test_mrv2_targets_keep_each_rules_exact_law(spec) -> None:
     q = torch.softmax(3 * torch.randn(7, generator=gen), -1)
 
     def raw(n: int) -> torch.Tensor:
-        return rule_targets(q[None], torch.tensor([n]), p[None], [(spec, (0, 1))])[0]
+        rows = [RuleRow(0, "a", spec, (0, 1), CHAIN)]
+        return rule_targets(q[None], torch.tensor([n]), p[None], rows)[0]
 
     def made(n: int) -> torch.Tensor:
         return as_distribution(raw(n)[None], p[None])[0]

@@ -14,7 +14,7 @@ from cactus_spec.core.audit import step_law
 from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.integrations.vllm.sampler import Batch, Current
+from cactus_spec.integrations.vllm.calls import calling
 
 ROWS = 20_000
 VOCAB = 8
@@ -36,8 +36,7 @@ def sample_once(specs, p, q, drafts, probabilistic: bool) -> torch.Tensor:
     metadata = SimpleNamespace(
         all_greedy=False, all_random=True, temperature=torch.ones(rows), generators={}
     )
-    Current.batch = Batch([str(i) for i in range(rows)], specs)
-    try:
+    with calling({i: (str(i), spec) for i, spec in enumerate(specs)}):
         out = rejection_sampler.rejection_sample(
             drafts.to(torch.int32),  # [T]
             [1] * rows,
@@ -48,8 +47,6 @@ def sample_once(specs, p, q, drafts, probabilistic: bool) -> torch.Tensor:
             torch.full((rows, 1), VOCAB - 1, dtype=torch.int64),  # bonus, unused here
             metadata,
         )
-    finally:
-        Current.batch = None
     return out[:, 0].long()
 
 
@@ -148,8 +145,7 @@ def sample_blocks(specs, p, q, rows: int, generators=None) -> torch.Tensor:
         temperature=torch.ones(rows),
         generators=generators or {},
     )
-    Current.batch = Batch([str(i) for i in range(rows)], specs)
-    try:
+    with calling({i: (str(i), spec) for i, spec in enumerate(specs)}):
         return rejection_sampler.rejection_sample(
             drafts.to(torch.int32),
             [2] * rows,
@@ -160,8 +156,6 @@ def sample_blocks(specs, p, q, rows: int, generators=None) -> torch.Tensor:
             bonus,
             metadata,
         ).long()
-    finally:
-        Current.batch = None
 
 
 def _continue(out: torch.Tensor, laws) -> torch.Tensor:

@@ -24,6 +24,7 @@ from cactus_spec.core.kl_target import kl_target
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.integrations.vllm import sampler_v2
+from cactus_spec.integrations.vllm.calls import calling
 from cactus_spec.integrations.vllm.meter import Meter
 
 GPU = torch.cuda.is_available()
@@ -116,11 +117,8 @@ def verify(kernels, specs, drafts, q_rows, p_rows=None, seeds=None, block=False,
         use_block_verification=block,
     )
     sample = sampler_v2.make_rejection_sample(kernels, meter or Meter())
-    sampler_v2.Current.requests = {i: (f"r{i}", spec) for i, spec in enumerate(specs)}
-    try:
+    with calling({i: (f"r{i}", spec) for i, spec in enumerate(specs)}):
         sampled, counts = sample(**call)
-    finally:
-        sampler_v2.Current.requests = None
     sampled, counts = sampled.cpu().long(), counts.cpu().long()
     keep = torch.arange(k + 1)[None] < counts[:, None]
     return torch.where(keep, sampled, -1), counts

@@ -8,12 +8,13 @@ failing loudly when one is missing, then:
   when the request is made (a 400 from the OpenAI server, a ValueError from ``LLM``),
   never inside the engine;
 - wraps the V1 runner's ``_sample`` to tell the sampler which spec each row asks for
-  (``requests``), and its ``_update_states`` to close the meter of finished requests;
+  (``requests``, handed over in ``calls``), and its ``_update_states`` to close the meter
+  of finished requests;
 - replaces V1's ``rejection_sample`` with the rule-aware one (``sampler``);
 - the same in Model Runner V2 (vLLM's GPU default): its runner's ``add_requests`` reads each
   request's spec once, ``finish_requests`` closes the meter, ``RejectionSampler.__call__``
-  tells ``sampler_v2`` the batch's requests, and MRV2's ``rejection_sample`` becomes the
-  rule-aware one;
+  tells ``sampler_v2`` the batch's requests (``calls``), and MRV2's ``rejection_sample``
+  becomes the rule-aware one;
 - applies ``cpu_fixes`` on the versions that need them;
 - gives the meter its Prometheus counters (``COUNTERS``), on one worker per request: under
   tensor parallelism every rank samples every request, so only rank 0 meters (with MRV2's
@@ -28,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.integrations.vllm import cpu_fixes, sampler_v2
+from cactus_spec.integrations.vllm import cpu_fixes, sampler, sampler_v2
+from cactus_spec.integrations.vllm.calls import calling
 from cactus_spec.integrations.vllm.meter import Meter, Tally, logger
 from cactus_spec.integrations.vllm.requests import PREFIX, default_spec, request_spec
-from cactus_spec.integrations.vllm.sampler import Batch, Current, make_rejection_sample
 
 #: vLLM releases whose V1 sampler and runner this plugin was read against: [low, high).
 SUPPORTED = ((0, 32), (0, 34))
@@ -195,11 +196,9 @@ def _patch_runner() -> None:
         _claim_meter(self)
         ids = list(self.input_batch.req_ids[: self.input_batch.num_reqs])
         extra = [self.requests[i].sampling_params.extra_args for i in ids]
-        Current.batch = Batch(ids, [specs.of(i, e) for i, e in zip(ids, extra, strict=True)])
-        try:
+        asked = [(i, specs.of(i, e)) for i, e in zip(ids, extra, strict=True)]
+        with calling(dict(enumerate(asked))):
             return sample(self, logits, spec_decode_metadata)
-        finally:
-            Current.batch = None
 
     def _update_states(self, scheduler_output):
         _finish(_specs(self), scheduler_output.finished_req_ids)
@@ -210,7 +209,7 @@ def _patch_runner() -> None:
 
 def _patch_sampler() -> None:
     module = importlib.import_module(SAMPLER)
-    module.rejection_sample = make_rejection_sample(module, METER)
+    module.rejection_sample = sampler.make_rejection_sample(module, METER)
 
 
 def _finish(specs: _RunnerSpecs, finished: set[str]) -> None:
@@ -261,13 +260,11 @@ def _patch_v2() -> None:
             return call(self, logits, input_batch, *args, **kwargs)
         states = input_batch.idx_mapping_np.tolist()
         ids = input_batch.req_ids[: input_batch.num_reqs]
-        sampler_v2.Current.requests = {
+        requests = {
             state: (i, specs.by_request.get(i)) for i, state in zip(ids, states, strict=False)
         }
-        try:
+        with calling(requests):
             return call(self, logits, input_batch, *args, **kwargs)
-        finally:
-            sampler_v2.Current.requests = None
 
     runner.add_requests, runner.finish_requests = add, finish
     module.RejectionSampler.__call__ = __call__

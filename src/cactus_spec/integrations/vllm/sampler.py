@@ -17,102 +17,41 @@ a block, vLLM's random kernels are not run. With one-hot drafts (vLLM's default
 ``draft_sample_method = greedy``) a block keeps as many drafts as token verification on
 average; it keeps more with ``probabilistic`` drafts.
 
-Which rule each row asks for comes from ``Batch``, which the runner's ``_sample`` sets
-for the duration of one sampling call (``plugin``).
+Which rule each row asks for comes from ``calls.Current.requests`` (batch row -> request id
+and spec), which the plugin sets around the runner's ``_sample``.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from cactus_spec.core.block_verification import verify_block
-from cactus_spec.core.rules import SpS
 from cactus_spec.core.sampling import one_hot
-from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.core.targets import kernel_target
-from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
-from cactus_spec.runtime.verifications import Verification, kind_of
-
-_warned: list[bool] = []  # the synthetic-mode warning, once per process
-
-
-@dataclass
-class Batch:
-    """The requests of the batch being sampled, in row order, and the spec each asks for."""
-
-    request_ids: list[str]
-    specs: list[DecodeSpec | None]
-
-
-class Current:
-    """The batch of the sampling call in progress (one per worker process)."""
-
-    batch: Batch | None = None
-
-
-@dataclass(frozen=True)
-class RuleRow:
-    """A sampled row that asks for a rule: its index in the batch, request, spec, span and
-    kind (``runtime.verifications.kind_of``: a block, which emits its rule's targets, or a
-    chain; the plugin refuses trees)."""
-
-    index: int
-    request_id: str
-    spec: DecodeSpec
-    span: tuple[int, int]
-    kind: Verification
-
-
-def spans(num_draft_tokens: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each request's drafts in the flattened token axis."""
-    ends = itertools.accumulate(num_draft_tokens)
-    return [(end - n, end) for n, end in zip(num_draft_tokens, ends, strict=True)]
-
-
-def rule_targets(
-    q: Tensor,  # [T, V] processed verifier rows, T drafted tokens of the batch
-    draft_ids: Tensor,  # [T]
-    draft_probs: Tensor | None,  # [T, V]
-    rows: list[tuple[DecodeSpec, tuple[int, int]]],  # each rule row's spec and span
-) -> Tensor:
-    """q with each rule row's span replaced by its rule's target rows -> [T, V] float32.
-
-    SpS rows keep q (their h). One rule over every token, the common case, is computed in
-    one call without copying q first; otherwise per rule, written span by span."""
-    lossy = [(spec.rule, span) for spec, span in rows if not isinstance(spec.rule, SpS)]
-    if not lossy:
-        return q
-    ids = draft_ids.long()
-    rules = {rule for rule, _ in lossy}
-    covered = sum(end - start for _, (start, end) in lossy)
-    if len(rules) == 1 and covered == q.shape[0]:
-        return kernel_target(lossy[0][0], q, ids, draft_probs).contiguous()
-    by_rule: dict[object, list[tuple[int, int]]] = defaultdict(list)
-    for rule, span in lossy:
-        by_rule[rule].append(span)
-    targets = q.clone()
-    for rule, group in by_rule.items():
-        index = torch.cat([torch.arange(start, end, device=q.device) for start, end in group])
-        p = None if draft_probs is None else draft_probs[index]
-        rows_target = kernel_target(rule, q[index], ids[index], p)  # [P, V]
-        offset = 0
-        for start, end in group:
-            targets[start:end] = rows_target[offset : offset + end - start]
-            offset += end - start
-    return targets
+from cactus_spec.integrations.vllm.calls import (
+    Current,
+    Requests,
+    RuleRow,
+    meter_call,
+    ranges,
+    rule_targets,
+    spans,
+    vllm_decides,
+)
+from cactus_spec.integrations.vllm.meter import Meter
+from cactus_spec.runtime.verifications import kind_of
 
 
 def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
     """The replacement of ``vllm_sampler.rejection_sample`` (same signature)."""
     original = vllm_sampler.rejection_sample
-    m = vllm_sampler
 
     def rejection_sample(
         draft_token_ids: Tensor,  # [T]
@@ -128,7 +67,8 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
         use_fp64_gumbel: bool = False,
         **options,  # later releases' (0.33: FLy's window), passed on
     ) -> Tensor:
-        args = (
+        call = Call(
+            vllm_sampler,
             draft_token_ids,
             num_draft_tokens,
             max_spec_len,
@@ -137,105 +77,142 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
             target_logits,
             bonus_token_ids,
             sampling_metadata,
+            use_fp64_gumbel,
         )
-        batch = Current.batch
-        rows = _rule_rows(batch, num_draft_tokens, sampling_metadata)
-        if rows and vllm_decides(synthetic_mode, options):
-            warn_vllm_decides()
+        rows = _rule_rows(Current.requests, num_draft_tokens, sampling_metadata)
         if not rows or vllm_decides(synthetic_mode, options):
-            return original(
-                *args,
-                synthetic_mode=synthetic_mode,
-                synthetic_conditional_rates=synthetic_conditional_rates,
-                use_fp64_gumbel=use_fp64_gumbel,
-                **options,
-            )
-        device = target_logits.device
-        out = torch.full(
-            (len(num_draft_tokens), max_spec_len + 1),
-            m.PLACEHOLDER_TOKEN_ID,
-            dtype=torch.int32,
-            device=device,
-        )  # [B, K+1]
-        is_greedy = sampling_metadata.temperature == m.GREEDY_TEMPERATURE  # [B]
-        uniform = m.generate_uniform_probs(
-            draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, device
-        )  # [T]
-        if not sampling_metadata.all_random:
-            m._rejection_greedy_sample(
-                out,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                target_logits.argmax(dim=-1),
-                bonus_token_ids,
-                is_greedy,
-                max_spec_len,
-                uniform,
-                None,
-            )
+            return call.run(original, synthetic_mode, synthetic_conditional_rates, options)
+        out, uniform = call.greedy()  # [B, K+1], [T]
         q = target_logits.softmax(dim=-1, dtype=torch.float32)  # [T, V]
-        blocks = [r for r in rows if r.kind.emits_targets]
-        if int((~is_greedy).sum()) > len(blocks):  # sampled rows the kernels judge
-            chains = [(r.spec, r.span) for r in rows if not r.kind.emits_targets]
-            targets = rule_targets(q, draft_token_ids, draft_probs, chains)
-            recovered = m.sample_recovered_tokens(
-                max_spec_len,
-                num_draft_tokens,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                draft_probs,
-                targets,
-                sampling_metadata,
-                device,
-                use_fp64_gumbel,
-            )  # [T]
-            m._rejection_random_sample(
-                out,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                draft_probs,
-                targets,
-                bonus_token_ids,
-                recovered,
-                uniform,
-                is_greedy,
-                max_spec_len,
-                None,
-            )
-        block_kl = None
-        if blocks:
-            block_kl = judge_blocks(
-                out,
-                blocks,
-                q,
-                draft_token_ids,
-                draft_probs,
-                bonus_token_ids,
-                sampling_metadata.generators,
-                m.PLACEHOLDER_TOKEN_ID,
-            )
-        try:
-            _meter(meter, rows, out, q, draft_token_ids, draft_probs, block_kl)
-        except Exception:  # the meter must never take the engine down
-            logger.exception("cactus-spec: the divergence meter failed; tokens are unaffected")
+        blocks = [row for row in rows if row.kind.emits_targets]
+        if call.sampled_rows() > len(blocks):  # sampled rows the kernels judge
+            call.random(out, uniform, rule_targets(q, draft_token_ids, draft_probs, rows))
+        block_kl = call.blocks(out, blocks, q) if blocks else None  # [T]
+        emitted = (out != vllm_sampler.PLACEHOLDER_TOKEN_ID).sum(-1)  # [B]
+        meter_call(meter, rows, emitted, q, draft_token_ids, draft_probs, block_kl)
         return out
 
     return rejection_sample
 
 
-def vllm_decides(synthetic: bool, options: dict) -> bool:
-    """Whether vLLM's own acceptance is on (synthetic rates, or FLy from 0.33: a window of
-    0 or None is off): it decides acceptance itself, so requests' rules cannot apply."""
-    return synthetic or bool(options.get("fly_window_size"))
+@dataclass
+class Call:
+    """One call of V1's ``rejection_sample``: vLLM's module of kernels and the arguments its
+    kernels read."""
 
+    kernels: ModuleType  # vllm.v1.sample.rejection_sampler
+    draft_ids: Tensor  # [T]
+    num_draft_tokens: list[int]  # [B]
+    max_spec_len: int  # K
+    cu_num_draft_tokens: Tensor  # [B]
+    draft_probs: Tensor | None  # [T, V]
+    target_logits: Tensor  # [T, V]
+    bonus_ids: Tensor  # [B, 1]
+    metadata: Any  # vLLM's SamplingMetadata
+    use_fp64_gumbel: bool
 
-def warn_vllm_decides() -> None:
-    if not _warned:
-        logger.warning(
-            "cactus-spec: vLLM's own acceptance (synthetic or FLy) is on; it decides "
-            "acceptance itself, so requests' rules do not apply"
+    @cached_property
+    def is_greedy(self) -> Tensor:
+        """Which batch rows are greedy (temperature 0) -> [B] bool."""
+        return self.metadata.temperature == self.kernels.GREEDY_TEMPERATURE
+
+    def run(
+        self, original: Callable, synthetic_mode: bool, rates: Tensor | None, options: dict
+    ) -> Tensor:
+        """vLLM's own ``original`` on the call: its tokens [B, K+1]."""
+        return original(
+            self.draft_ids,
+            self.num_draft_tokens,
+            self.max_spec_len,
+            self.cu_num_draft_tokens,
+            self.draft_probs,
+            self.target_logits,
+            self.bonus_ids,
+            self.metadata,
+            synthetic_mode=synthetic_mode,
+            synthetic_conditional_rates=rates,
+            use_fp64_gumbel=self.use_fp64_gumbel,
+            **options,
         )
-        _warned.append(True)
+
+    def greedy(self) -> tuple[Tensor, Tensor]:
+        """The call's tokens with the greedy rows judged by vLLM's greedy kernel and the others
+        placeholders -> [B, K+1] int32, and the uniforms of the random kernel -> [T]."""
+        m = self.kernels
+        device = self.target_logits.device
+        out = torch.full(
+            (len(self.num_draft_tokens), self.max_spec_len + 1),
+            m.PLACEHOLDER_TOKEN_ID,
+            dtype=torch.int32,
+            device=device,
+        )  # [B, K+1]
+        uniform = m.generate_uniform_probs(
+            self.draft_ids.shape[0], self.num_draft_tokens, self.metadata.generators, device
+        )  # [T]
+        if not self.metadata.all_random:
+            m._rejection_greedy_sample(
+                out,
+                self.cu_num_draft_tokens,
+                self.draft_ids,
+                self.target_logits.argmax(dim=-1),
+                self.bonus_ids,
+                self.is_greedy,
+                self.max_spec_len,
+                uniform,
+                None,
+            )
+        return out, uniform
+
+    def sampled_rows(self) -> int:
+        """How many batch rows are sampled (not greedy)."""
+        return int((~self.is_greedy).sum())
+
+    def random(
+        self,
+        out: Tensor,  # [B, K+1] sampled rows written here
+        uniform: Tensor,  # [T] from ``greedy``
+        targets: Tensor,  # [T, V] t in place of q (``rule_targets``)
+    ) -> None:
+        """The sampled rows judged by vLLM's random kernels towards ``targets``: accepted with
+        min(1, t_n / p_n), a rejection's token recovered from normalize(max(0, t - p))."""
+        m = self.kernels
+        recovered = m.sample_recovered_tokens(
+            self.max_spec_len,
+            self.num_draft_tokens,
+            self.cu_num_draft_tokens,
+            self.draft_ids,
+            self.draft_probs,
+            targets,
+            self.metadata,
+            self.target_logits.device,
+            self.use_fp64_gumbel,
+        )  # [T]
+        m._rejection_random_sample(
+            out,
+            self.cu_num_draft_tokens,
+            self.draft_ids,
+            self.draft_probs,
+            targets,
+            self.bonus_ids,
+            recovered,
+            uniform,
+            self.is_greedy,
+            self.max_spec_len,
+            None,
+        )
+
+    def blocks(self, out: Tensor, blocks: list[RuleRow], q: Tensor) -> Tensor:
+        """``judge_blocks`` on the call's block rows (``out`` [B, K+1], q [T, V]) -> [T]."""
+        return judge_blocks(
+            out,
+            blocks,
+            q,
+            self.draft_ids,
+            self.draft_probs,
+            self.bonus_ids,
+            self.metadata.generators,
+            self.kernels.PLACEHOLDER_TOKEN_ID,
+        )
 
 
 def judge_blocks(
@@ -256,10 +233,9 @@ def judge_blocks(
     divergences = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)  # [T]
     groups: dict[tuple, list[RuleRow]] = defaultdict(list)
     for row in blocks:
-        n = row.span[1] - row.span[0]
-        groups[row.spec.rule, n, row.index in generators].append(row)
+        groups[row.spec.rule, row.drafted, row.index in generators].append(row)
     for (rule, n, seeded), rows in groups.items():
-        index = torch.cat([torch.arange(*row.span, device=q.device) for row in rows])  # [R n]
+        index = ranges([row.span for row in rows]).to(q.device)  # [R n]
         batch = torch.tensor([row.index for row in rows], device=q.device)  # [R]
         ids, bonus = draft_ids[index].long(), bonus_ids[batch, 0].long()  # [R n], [R]
         q_rows = q[index]  # [R n, V]
@@ -292,37 +268,21 @@ def _support(q: Tensor, ids: Tensor, bonus: Tensor) -> Tensor:
 
 
 def _rule_rows(
-    batch: Batch | None, num_draft_tokens: list[int], sampling_metadata
+    requests: Requests | None, num_draft_tokens: list[int], sampling_metadata
 ) -> list[RuleRow]:
-    """The sampled (not greedy) rows that ask for a rule."""
-    if batch is None or sampling_metadata.all_greedy:
+    """The sampled (not greedy) rows that ask for a rule; ``requests`` by batch row."""
+    if requests is None or sampling_metadata.all_greedy:
         return []
-    if len(batch.specs) != len(num_draft_tokens):
+    if len(requests) != len(num_draft_tokens):
         raise RuntimeError(
-            f"cactus-spec: the batch holds {len(batch.specs)} requests but vLLM verifies "
+            f"cactus-spec: the batch holds {len(requests)} requests but vLLM verifies "
             f"{len(num_draft_tokens)}; this vLLM is not one the plugin supports"
         )
     greedy = (sampling_metadata.temperature == 0).tolist()
-    rows = zip(batch.request_ids, batch.specs, spans(num_draft_tokens), greedy, strict=True)
+    asked = [requests[index] for index in range(len(num_draft_tokens))]
+    rows = zip(asked, spans(num_draft_tokens), greedy, strict=True)
     return [
         RuleRow(index, request_id, spec, span, kind_of(spec, greedy=False))
-        for index, (request_id, spec, span, is_greedy) in enumerate(rows)
+        for index, ((request_id, spec), span, is_greedy) in enumerate(rows)
         if spec is not None and not is_greedy and span[1] > span[0]
     ]
-
-
-def _meter(
-    meter: Meter,
-    rows: list[RuleRow],
-    out: Tensor,  # [B, K+1]
-    q: Tensor,  # [T, V]
-    draft_ids: Tensor,  # [T]
-    draft_probs: Tensor | None,  # [T, V]
-    block_kl: Tensor | None,  # [T] from judge_blocks, None without blocks
-) -> None:
-    emitted = (out != -1).sum(-1).tolist()  # [B]
-    chains = [
-        Chain(r.request_id, r.spec, r.span[0], r.span[1] - r.span[0], emitted[r.index], r.kind)
-        for r in rows
-    ]
-    meter.record(chains, q, draft_ids, draft_probs, block_kl)

@@ -23,8 +23,8 @@ kinds each kind is judged in its own call on its own rows. MRV2 keys every rando
 the request's seed and the token's position (Philox), never by the batch row, so a row's
 tokens do not depend on its neighbours or on the call that judged it.
 
-Which rule each row asks for comes from ``Current.requests`` (request-state index -> request
-id and spec), which the plugin sets around each ``RejectionSampler`` call.
+Which rule each row asks for comes from ``calls.Current.requests`` (request-state index ->
+request id and spec), which the plugin sets around each ``RejectionSampler`` call.
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ from torch import Tensor
 
 from cactus_spec.core.rules import draft_row
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.integrations.vllm.meter import Chain, Meter, logger
-from cactus_spec.integrations.vllm.sampler import rule_targets, vllm_decides, warn_vllm_decides
+from cactus_spec.integrations.vllm.calls import (
+    Current,
+    Requests,
+    RuleRow,
+    meter_call,
+    ranges,
+    rule_targets,
+    spans,
+    vllm_decides,
+)
+from cactus_spec.integrations.vllm.meter import Meter
 from cactus_spec.runtime.verifications import Block, Verification, kind_of
-
-
-class Current:
-    """The requests of the MRV2 verification in progress, by request-state index."""
-
-    requests: dict[int, tuple[str, DecodeSpec | None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,11 @@ def make_rejection_sample(original: Callable, meter: Meter) -> Callable:
             options,
         )
         requests = Current.requests
-        if not requests or not any(spec is not None for _, spec in requests.values()):
-            return call.run(original, target_logits, use_block_verification)
-        if vllm_decides(synthetic_conditional_rates is not None, options):
-            warn_vllm_decides()
+        if (
+            not requests
+            or not any(spec is not None for _, spec in requests.values())
+            or vllm_decides(synthetic_conditional_rates is not None, options)
+        ):
             return call.run(original, target_logits, use_block_verification)
         rows = _rows(
             requests, cu_num_logits, idx_mapping, temperature, draft_sampled, use_block_verification
@@ -118,25 +122,11 @@ def make_rejection_sample(original: Callable, meter: Meter) -> Callable:
         q = target_logits[drafted].softmax(-1, dtype=torch.float32)  # [T, V]
         ids = draft_sampled[drafted + 1].long()  # [T]
         p = _draft_probs(ruled, draft_logits, idx_mapping, temperature, q.shape[-1])  # [T, V]
-        targets, block_kl = _targets(ruled, q, ids, p)  # [T, V], [T]
-        counts = torch.tensor([r.drafted for r in ruled])  # [R]
-        lossy = torch.tensor([not r.spec.lossless for r in ruled]).repeat_interleave(counts)
-        lossy = lossy.to(drafted.device)  # [T]
-        logits = target_logits.float()  # [L, V]: q's rows stay bit for bit
-        logits = logits.clone() if logits is target_logits else logits
-        logits[drafted[lossy]] = targets[lossy].log()
+        rule_rows = _rule_rows(ruled)
+        targets, block_kl = _targets(rule_rows, q, ids, p)  # [T, V], [T]
+        logits = _with_targets(target_logits, drafted, rule_rows, targets)  # [L, V]
         sampled, num_sampled = call.judge(original, logits, rows)
-        try:
-            emitted = num_sampled.tolist()
-            chains, offset = [], 0
-            for row in ruled:
-                chains.append(
-                    Chain(row.request_id, row.spec, offset, row.drafted, emitted[row.j], row.kind)
-                )
-                offset += row.drafted
-            meter.record(chains, q, ids, p, block_kl)
-        except Exception:  # the meter must never take the engine down
-            logger.exception("cactus-spec: the divergence meter failed; tokens are unaffected")
+        meter_call(meter, rule_rows, num_sampled, q, ids, p, block_kl)
         return sampled, num_sampled
 
     return rejection_sample
@@ -226,7 +216,7 @@ class Call:
 
 
 def _rows(
-    requests: dict[int, tuple[str, DecodeSpec | None]],
+    requests: Requests,
     cu_num_logits: Tensor,  # [B + 1]
     idx_mapping: Tensor,  # [B]
     temperature: Tensor,  # [max_num_reqs]
@@ -262,15 +252,6 @@ def _rows(
     return rows
 
 
-def ranges(spans: list[tuple[int, int]]) -> Tensor:
-    """The integers of [start, end) for each span, concatenated, on the CPU -> [sum of sizes]."""
-    bounds = torch.tensor(spans, dtype=torch.long).view(-1, 2)  # [S, 2]
-    sizes = bounds[:, 1] - bounds[:, 0]  # [S]
-    first = torch.cumsum(sizes, 0) - sizes  # [S] where each span starts in the output
-    steps = torch.arange(int(sizes.sum())) - first.repeat_interleave(sizes)
-    return bounds[:, 0].repeat_interleave(sizes) + steps
-
-
 def as_distribution(t: Tensor, p: Tensor) -> Tensor:
     """A kernel target t [T, V] (any non-negative row, ``kernel_target``'s: TopK's is an
     indicator) as the distribution the MRV2 kernels need, which normalise what they are given:
@@ -291,6 +272,16 @@ def as_distribution(t: Tensor, p: Tensor) -> Tensor:
 def _drafted_index(rows: list[Row], device: torch.device) -> Tensor:
     """The logits rows of the rows' valid drafts, concatenated -> [T]."""
     return ranges([(r.start, r.start + r.drafted) for r in rows]).to(device)
+
+
+def _rule_rows(rows: list[Row]) -> list[RuleRow]:
+    """Rows that ask for a rule (``Row.ruled``) as ``RuleRow``: their spans lie on the axis of
+    their valid drafts, concatenated in row order."""
+    at = spans([row.drafted for row in rows])
+    return [
+        RuleRow(row.j, row.request_id, row.spec, span, row.kind)
+        for row, span in zip(rows, at, strict=True)
+    ]
 
 
 def _draft_probs(
@@ -314,27 +305,20 @@ def _draft_probs(
     return logits.softmax(-1)
 
 
-def _targets(rows: list[Row], q: Tensor, ids: Tensor, p: Tensor | None) -> tuple[Tensor, Tensor]:
+def _targets(
+    rows: list[RuleRow], q: Tensor, ids: Tensor, p: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """Each row's targets at its drafts -> t [T, V], and KL(t || q) at each drafted position
     of a lossy block -> [T] float64 (0 elsewhere; the meter's, solved once here)."""
-    spans, offset = [], 0
-    for row in rows:
-        spans.append((offset, offset + row.drafted))
-        offset += row.drafted
-    chains = [
-        (row.spec, span)
-        for row, span in zip(rows, spans, strict=True)
-        if not row.kind.emits_targets
-    ]
-    targets = rule_targets(q, ids, p, chains)
+    targets = rule_targets(q, ids, p, rows)
     if targets is not q:
         targets = as_distribution(targets, draft_row(p, ids, q.shape[-1]))
     block_kl = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)  # [T]
     by_rule: dict[object, list[tuple[int, int]]] = defaultdict(list)
     kinds: dict[object, Verification] = {}  # a block's, to meter each rule's positions
-    for row, span in zip(rows, spans, strict=True):
+    for row in rows:
         if row.kind.emits_targets and not row.spec.lossless:
-            by_rule[row.spec.rule].append(span)
+            by_rule[row.spec.rule].append(row.span)
             kinds.setdefault(row.spec.rule, row.kind)
     for rule, group in by_rule.items():
         index = ranges(group).to(q.device)  # [P]
@@ -344,3 +328,20 @@ def _targets(rows: list[Row], q: Tensor, ids: Tensor, p: Tensor | None) -> tuple
         targets[index] = t
         block_kl[index] = kinds[rule].divergences(rule, q[index], t)
     return targets, block_kl
+
+
+def _with_targets(
+    target_logits: Tensor,  # [L, V]
+    drafted: Tensor,  # [T] the logits rows of the rule rows' drafts
+    rows: list[RuleRow],
+    targets: Tensor,  # [T, V] from ``_targets``
+) -> Tensor:
+    """The logits the kernels judge -> [L, V] float32: log t at the drafted rows of each lossy
+    rule's row, ``target_logits`` elsewhere (q's rows bit for bit)."""
+    counts = torch.tensor([row.drafted for row in rows])  # [R]
+    lossy = torch.tensor([not row.spec.lossless for row in rows]).repeat_interleave(counts)
+    lossy = lossy.to(drafted.device)  # [T]
+    logits = target_logits.float()  # [L, V]
+    logits = logits.clone() if logits is target_logits else logits
+    logits[drafted[lossy]] = targets[lossy].log()
+    return logits
