@@ -79,7 +79,7 @@ def make_rejection_sample(vllm_sampler: ModuleType, meter: Meter) -> Callable:
             sampling_metadata,
             use_fp64_gumbel,
         )
-        rows = _rule_rows(Current.requests, num_draft_tokens, sampling_metadata)
+        rows = call.rule_rows(Current.requests)
         if not rows or vllm_decides(synthetic_mode, options):
             return call.run(original, synthetic_mode, synthetic_conditional_rates, options)
         out, uniform = call.greedy()  # [B, K+1], [T]
@@ -162,6 +162,24 @@ class Call:
                 None,
             )
         return out, uniform
+
+    def rule_rows(self, requests: Requests | None) -> list[RuleRow]:
+        """The sampled (not greedy) rows that ask for a rule; ``requests`` by batch row."""
+        if requests is None or self.metadata.all_greedy:
+            return []
+        if len(requests) != len(self.num_draft_tokens):
+            raise RuntimeError(
+                f"cactus-spec: the batch holds {len(requests)} requests but vLLM verifies "
+                f"{len(self.num_draft_tokens)}; this vLLM is not one the plugin supports"
+            )
+        greedy = self.is_greedy.tolist()
+        asked = [requests[index] for index in range(len(self.num_draft_tokens))]
+        rows = zip(asked, spans(self.num_draft_tokens), greedy, strict=True)
+        return [
+            RuleRow(index, request_id, spec, span, kind_of(spec, greedy=False))
+            for index, ((request_id, spec), span, is_greedy) in enumerate(rows)
+            if spec is not None and not is_greedy and span[1] > span[0]
+        ]
 
     def sampled_rows(self) -> int:
         """How many batch rows are sampled (not greedy)."""
@@ -265,24 +283,3 @@ def _support(q: Tensor, ids: Tensor, bonus: Tensor) -> Tensor:
     in q's support) read p there: judging on them alone is judging on the whole vocabulary."""
     inside = (q > 0).any(0).nonzero().squeeze(-1)  # [S0]
     return torch.unique(torch.cat([inside, ids, bonus]))  # sorted
-
-
-def _rule_rows(
-    requests: Requests | None, num_draft_tokens: list[int], sampling_metadata
-) -> list[RuleRow]:
-    """The sampled (not greedy) rows that ask for a rule; ``requests`` by batch row."""
-    if requests is None or sampling_metadata.all_greedy:
-        return []
-    if len(requests) != len(num_draft_tokens):
-        raise RuntimeError(
-            f"cactus-spec: the batch holds {len(requests)} requests but vLLM verifies "
-            f"{len(num_draft_tokens)}; this vLLM is not one the plugin supports"
-        )
-    greedy = (sampling_metadata.temperature == 0).tolist()
-    asked = [requests[index] for index in range(len(num_draft_tokens))]
-    rows = zip(asked, spans(num_draft_tokens), greedy, strict=True)
-    return [
-        RuleRow(index, request_id, spec, span, kind_of(spec, greedy=False))
-        for index, ((request_id, spec), span, is_greedy) in enumerate(rows)
-        if spec is not None and not is_greedy and span[1] > span[0]
-    ]
