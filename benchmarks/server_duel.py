@@ -17,7 +17,9 @@ at a time. Rows: our AR, SpS and Cactus(delta = 1) at K = 10, Cactus with the po
 with no seed), llama.cpp plain and with its draft model (``--spec-type draft-simple``, its own
 draft length). The first ``--n`` HumanEval prompts as
 chat messages, 128 new tokens, temperature 0.6, top-k 20, top-p 0.95, each prompt sent to
-every row in turn (rows interleaved), timed from request to last byte. Every server reads
+every row in turn (rows interleaved), timed from request to last byte; each server's own
+``timings`` (llama-server's shape, which ours answers too) split a request into its prompt's read
+and its decoding. Every server reads
 every prompt whole: our server runs with ``--no-prefix-cache`` (its one row would otherwise
 still hold the prompt the row before read, and only the first of our rows would pay the
 prefill) and llama.cpp's requests ask ``cache_prompt: false``. Each answer appends
@@ -165,8 +167,10 @@ def ask(url: str, row: str, messages: list[dict], index: int, args) -> dict:
         data = json.loads(answer.read())
     seconds = time.perf_counter() - start
     tokens = data["usage"]["completion_tokens"]
+    timings = data.get("timings", {})  # both servers' own split: the prompt's read, then decoding
     return {"prompt": index, "row": row, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+            "tokens_per_s": tokens / seconds, "prompt_ms": timings.get("prompt_ms"),
+            "decode_tokens_per_s": timings.get("predicted_per_second")}  # fmt: skip
 
 
 def render(results: list[dict], args) -> str:
@@ -176,8 +180,9 @@ def render(results: list[dict], args) -> str:
              f"{args.server_args}, "
              f"{len(prompts_done)} HumanEval chat prompts, {args.max_tokens} new tokens, "
              "2 threads each", "",
-             "| row | tokens/s (median) | vs llama.cpp plain: median [min, max] |",
-             "| --- | ---: | ---: |"]  # fmt: skip
+             "| row | tokens/s (median) | vs llama.cpp plain: median [min, max] "
+             "| prompt read, ms | decoding, tokens/s |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for row in [*OURS, *LLAMA]:
         rates = [by[p, row] for p in prompts_done if (p, row) in by]
         ratios = [by[p, row] / by[p, LLAMA[0]] for p in prompts_done if (p, row) in by
@@ -186,8 +191,15 @@ def render(results: list[dict], args) -> str:
             continue
         spread = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
                   if ratios else "-")  # fmt: skip
-        lines.append(f"| {row} | {statistics.median(rates):.2f} | {spread} |")
+        read, decode = (_median_of(results, row, k) for k in ("prompt_ms", "decode_tokens_per_s"))
+        lines.append(f"| {row} | {statistics.median(rates):.2f} | {spread} | {read} | {decode} |")
     return "\n".join(lines) + "\n"
+
+
+def _median_of(results: list[dict], row: str, key: str) -> str:
+    """The median of a row's ``key`` (a server's own timings), "-" where none reported it."""
+    values = [r[key] for r in results if r["row"] == row and r.get(key) is not None]
+    return f"{statistics.median(values):.0f}" if values else "-"
 
 
 def _read(path: Path) -> list[dict]:

@@ -10,16 +10,16 @@ iteration
    drafting; K_b = 0 for an autoregressive row, or when the budget is spent);
 2. feeds each row ``[t_b, d_b1..d_bK_b]`` (t_b = its last emitted token, not yet in the
    verifier's cache) in one verifier forward over all rows, ragged: K_b + 1 rows of q each;
-3. runs ``verify`` (or ``verify_block`` for a spec judging blocks) per row with that row's
-   rule, sampling and generator, so a row keeps a different number of tokens than its
-   neighbours (ragged acceptance);
+3. judges each row's drafts by its row's kind (``verifications``: a chain, a block, a tree
+   or a traversal, each with the row's rule, sampling and generator), so a row keeps a
+   different number of tokens than its neighbours (ragged acceptance);
 4. rolls each row's verifier cache back to its kept prefix (a length per row, O(1)).
 
 A row verifying draft trees gets a tree from the drafter (up to ``branches`` nodes per depth),
 and a chain row a chain, whatever its neighbours draft; when any row of the batch has a tree,
 the verifier reads every row as a token tree (a chain is a tree; ``Backend.append_tree``), a
-tree row's nodes are judged by ``verify_tree`` (or ``verify_traversal``, leaf to root), a
-chain row's as a chain, and each cache keeps its accepted path (``Backend.commit_path``). A
+tree row's nodes are judged top down (``Tree``) or leaf to root (``Traversal``), a chain
+row's as a chain, and each cache keeps its accepted path (``Backend.commit_path``). A
 traversal row of one branch drafts a chain and judges it as a block (the same verifier on a
 chain).
 

@@ -9,13 +9,13 @@ are judged (``judge``), which of the verifier's rows its tokens were emitted at
 (``emitted_rows``) and what each emitted draft cost in divergence (``divergence``). The
 stepper asks the row's kind; nothing guesses it from a draft's shape.
 
-- ``CHAIN``: token by token, each draft against the rule's ``h`` (``core.verification``).
-  Also a tree of one branch (its draft is a chain) and a block at temperature 0 (every block
-  weight is then 0 or 1, so token verification runs the same test).
-- ``BLOCK``: the chain as a whole (``core.block_verification``), towards q's rows, or the
+- ``Verification`` (a chain): token by token, each draft against the rule's ``h``
+  (``core.verification``). Also a tree of one branch (its draft is a chain) and a block at
+  temperature 0 (every block weight is then 0 or 1, so token verification runs the same test).
+- ``Block``: the chain as a whole (``core.block_verification``), towards q's rows, or the
   rule's block targets for a lossy rule. Also a traversal of one branch.
-- ``TREE``: a draft tree judged top down (``core.tree_verification``).
-- ``TRAVERSAL``: the tree judged leaf to root, each path as a whole
+- ``Tree``: a draft tree judged top down (``core.tree_verification``).
+- ``Traversal``: the tree judged leaf to root, each path as a whole
   (``core.traversal_verification``).
 - ``Budgeted``: any of these for a Cactus row under its answer budget (``core.budget``):
   each judged row gets the target of Cactus at the delta the budget gives it, and the rows
