@@ -21,6 +21,10 @@
 
 #include <ATen/Parallel.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -51,21 +55,6 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
-}
-
-// sum_c a[c] b[c] in 16 independent partial sums, which the compiler turns into vector lanes
-// (one running sum would be a chain of dependent additions it may not reorder).
-float dot(const float* a, const float* b, int64_t d) {
-  constexpr int64_t kLanes = 16;
-  float partial[kLanes] = {};
-  int64_t c = 0;
-  for (; c + kLanes <= d; c += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[c + l] * b[c + l];
-  }
-  float total = 0.0f;
-  for (; c < d; ++c) total += a[c] * b[c];
-  for (int64_t l = 0; l < kLanes; ++l) total += partial[l];
-  return total;
 }
 
 // The kinds of linear layers a block may be made of, and how the block's params hold each
@@ -178,41 +167,150 @@ struct Query {
   const bool* shown;
 };
 
+// 16 floats as one value: one vector register where the CPU has 512-bit ones, two of 256
+// bits on AVX2, plain floats elsewhere (GCC's and Clang's vector extension); loaded from and
+// stored to any float address.
+typedef float Lanes __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16;
+inline Lanes load_lanes(const float* at) { return *reinterpret_cast<const Lanes*>(at); }
+inline void store_lanes(float* at, Lanes v) { *reinterpret_cast<Lanes*>(at) = v; }
+
+// Queries scored at once against a block of kLanes keys (their sums side by side, so no sum
+// waits on the one before it), and keys whose values every query adds up before the next
+// such block (they stay in the L1 cache meanwhile).
+constexpr int64_t kQueriesAtOnce = 4;
+constexpr int64_t kValueBlock = 64;
+
+// transposed [d, kLanes] = the n (<= kLanes) rows [n, d] of keys, zeros past them. AVX512: a
+// 16 x 16 tile at a time in registers (two rounds of unpacks, two of 128-bit shuffles).
+void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) {
+#ifdef __AVX512F__
+  if (d % kLanes == 0) {
+    for (int64_t c0 = 0; c0 < d; c0 += kLanes) {
+      __m512 r[16], t[16], u[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = i < n ? _mm512_loadu_ps(keys + i * d + c0) : _mm512_setzero_ps();
+      }
+      for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: rows 2i, 2i+1 interleaved per 128 bits
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int g = 0; g < 4; ++g) {  // u[4g + k]: rows 4g..4g+3 of column 4L + k in 128-bit lane L
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+        const __m512d e = _mm512_castps_pd(t[4 * g + 1]), f = _mm512_castps_pd(t[4 * g + 3]);
+        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(e, f));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(e, f));
+      }
+      for (int k = 0; k < 4; ++k) {  // column 4L + k gathers lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+        const __m512 x0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+        const __m512 x1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        const __m512 y0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512 y1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+        _mm512_storeu_ps(transposed + (c0 + k) * kLanes, _mm512_shuffle_f32x4(x0, y0, 0x88));
+        _mm512_storeu_ps(transposed + (c0 + 4 + k) * kLanes, _mm512_shuffle_f32x4(x1, y1, 0x88));
+        _mm512_storeu_ps(transposed + (c0 + 8 + k) * kLanes, _mm512_shuffle_f32x4(x0, y0, 0xDD));
+        _mm512_storeu_ps(transposed + (c0 + 12 + k) * kLanes, _mm512_shuffle_f32x4(x1, y1, 0xDD));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < kLanes; ++l) {
+    for (int64_t c = 0; c < d; ++c) transposed[c * kLanes + l] = l < n ? keys[l * d + c] : 0.0f;
+  }
+}
+
+// scores[at * seen + j] = <q_at, keys[j]> scale for the keys j0 .. j0 + n - 1 (n <= kLanes)
+// and every query: each (query, key) sums over c in order in a lane of its own, whatever else
+// the block or the group holds.
+void score_block(const std::vector<Query>& queries, const float* keys, int64_t j0, int64_t n,
+                 int64_t seen, int64_t d, float scale, float* transposed, float* scores) {
+  transpose_keys(keys + j0 * d, n, d, transposed);
+  const int64_t count = static_cast<int64_t>(queries.size());
+  for (int64_t at = 0; at < count; at += kQueriesAtOnce) {
+    const float* q[kQueriesAtOnce];  // past the last query: the last again, its sums unused
+    for (int64_t r = 0; r < kQueriesAtOnce; ++r) q[r] = queries[std::min(at + r, count - 1)].q;
+    Lanes s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    for (int64_t c = 0; c < d; ++c) {
+      const Lanes column = load_lanes(transposed + c * kLanes);
+      s0 += q[0][c] * column;
+      s1 += q[1][c] * column;
+      s2 += q[2][c] * column;
+      s3 += q[3][c] * column;
+    }
+    const Lanes sums[kQueriesAtOnce] = {s0, s1, s2, s3};
+    for (int64_t r = 0; r < std::min(kQueriesAtOnce, count - at); ++r) {
+      for (int64_t l = 0; l < n; ++l) scores[(at + r) * seen + j0 + l] = sums[r][l] * scale;
+    }
+  }
+}
+
+// out [d] += sum_j weight[j] values[j] over the slots j0 .. j1 - 1 the query sees, each
+// output in the order of j: 4 * kLanes outputs at a time (four sums side by side), then one
+// by one.
+template <class Sees>
+void add_values(const Query& query, const float* weight, const float* values, int64_t j0,
+                int64_t j1, int64_t d, const Sees& sees) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= d; c0 += 4 * kLanes) {
+    float* out = query.out + c0;
+    Lanes s0 = load_lanes(out), s1 = load_lanes(out + kLanes), s2 = load_lanes(out + 2 * kLanes),
+          s3 = load_lanes(out + 3 * kLanes);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (!sees(query, j)) continue;
+      const float* value = values + j * d + c0;
+      const float w = weight[j];
+      s0 += w * load_lanes(value);
+      s1 += w * load_lanes(value + kLanes);
+      s2 += w * load_lanes(value + 2 * kLanes);
+      s3 += w * load_lanes(value + 3 * kLanes);
+    }
+    store_lanes(out, s0);
+    store_lanes(out + kLanes, s1);
+    store_lanes(out + 2 * kLanes, s2);
+    store_lanes(out + 3 * kLanes, s3);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    if (!sees(query, j)) continue;
+    for (int64_t c = c0; c < d; ++c) query.out[c] += weight[j] * values[j * d + c];
+  }
+}
+
 // out [d] = sum_j softmax_j(<q, keys[j]> scale) values[j] over the slots each query sees, for
 // the queries of one row's key/value head (its group's heads times the feed's tokens) at
 // once: each key and value is read from memory once for all of them, and each query's sums
-// run in the order of its slots as they would alone (so a token's output has the same bits
-// whatever else its feed holds: a chain's verification reproduces a decode step's q).
+// run in an order of its own (its scores over c, its output over its slots in order), so a
+// token's output has the same bits whatever else its feed holds: a chain's verification
+// reproduces a decode step's q.
 template <bool kMasked>
 void attend_group(const std::vector<Query>& queries, const float* keys, const float* values,
-                  int64_t seen, int64_t d, float scale, std::vector<float>& scores) {
+                  int64_t seen, int64_t d, float scale, std::vector<float>& scores,
+                  std::vector<float>& transposed) {
   const int64_t n = static_cast<int64_t>(queries.size());
   auto sees = [&](const Query& query, int64_t j) {
     if constexpr (kMasked) return j < query.visible && query.shown[j];
     return j < query.visible;
   };
-  scores.assign(n * seen, 0.0f);  // [n, S]
-  for (int64_t j = 0; j < seen; ++j) {
-    for (int64_t at = 0; at < n; ++at) {
-      if (sees(queries[at], j)) scores[at * seen + j] = dot(queries[at].q, keys + j * d, d) * scale;
-    }
+  scores.resize(n * seen);  // [n, S]
+  transposed.resize(d * kLanes);
+  for (int64_t j0 = 0; j0 < seen; j0 += kLanes) {
+    const int64_t block = std::min(kLanes, seen - j0);
+    score_block(queries, keys, j0, block, seen, d, scale, transposed.data(), scores.data());
   }
-  std::vector<float> totals(n);
-  for (int64_t at = 0; at < n; ++at) {
+  for (int64_t at = 0; at < n; ++at) {  // each query's scores become its softmax's weights
     float* row = scores.data() + at * seen;
     float top = -INFINITY, total = 0.0f;
     for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) top = std::max(top, row[j]);
     for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) total += row[j] = std::exp(row[j] - top);
-    totals[at] = total;
+    for (int64_t j = 0; j < seen; ++j) row[j] = sees(queries[at], j) ? row[j] / total : 0.0f;
     std::fill_n(queries[at].out, d, 0.0f);
   }
-  for (int64_t j = 0; j < seen; ++j) {
-    const float* value = values + j * d;
+  for (int64_t j0 = 0; j0 < seen; j0 += kValueBlock) {
+    const int64_t j1 = std::min(seen, j0 + kValueBlock);
     for (int64_t at = 0; at < n; ++at) {
-      if (!sees(queries[at], j)) continue;
-      const float weight = scores[at * seen + j] / totals[at];
-      float* out = queries[at].out;
-      for (int64_t c = 0; c < d; ++c) out[c] += weight * value[c];
+      add_values(queries[at], scores.data() + at * seen, values, j0, j1, d, sees);
     }
   }
 }
@@ -224,7 +322,7 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
   const int64_t d = tk.d, group = tk.heads / tk.kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, tk.b * tk.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, key_copy, value_copy;
+    std::vector<float> scores, transposed, key_copy, value_copy;
     std::vector<Query> queries;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / tk.kv_heads, g = job % tk.kv_heads;
@@ -239,7 +337,7 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
       }
       attend_group<kMasked>(queries, as_floats(key_cache + first, seen, d, key_copy),
                             as_floats(value_cache + first, seen, d, value_copy), seen, d, scale,
-                            scores);
+                            scores, transposed);
     }
   });
 }
