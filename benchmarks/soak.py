@@ -6,9 +6,10 @@
 
 Starts ``cactus-spec serve`` in its own process and session (Ctrl-C reaches only this
 script) on a free loopback port, its output in ``server.log`` (``--draft`` goes to it only
-with ``--drafter model``), then runs ``--clients`` client threads until the time is up. Each
-loops over behaviours drawn from its own seeded generator, every draw made before the
-request is sent, so a rerun sends each client the same requests in the same order:
+with a drafter that needs a draft model, as the drafter registry says: ``--drafter`` takes
+its names), then runs ``--clients`` client threads until the time is up. Each loops over
+behaviours drawn from its own seeded generator, every draw made before the request is sent,
+so a rerun sends each client the same requests in the same order:
 
 - ``stream``: a streamed chat completion of 16-96 tokens: time to first token (TTFT),
   inter-token latency per request ((last chunk - first chunk) / (chunks - 1)) and every gap
@@ -21,7 +22,7 @@ request is sent, so a rerun sends each client the same requests in the same orde
 - ``hostile``: a request that plants a marker (``SOAK-MARKER-...``) and is unsound (a schema
   that only refers to itself, a regex whose lexer blows up, a lone surrogate: each must get a
   400) or valid but unusual (TAS, a draft tree, structured output on each verification kind;
-  trees only with ``--drafter model``: 200, else 400); a marker in any other answer is a
+  trees only with a drafter that drafts trees: 200, else 400); a marker in any other answer is a
   cross-request leak (must be none);
 - ``multi_turn``: a chat of 3-4 streamed turns over a ~300-token system prompt shared by
   all clients, each turn resending the whole history; TTFT of turn 1 and of later turns
@@ -61,6 +62,7 @@ import openai
 import psutil
 from launcher import Server, free_port, launched
 
+from cactus_spec.core.drafters import DRAFTERS
 from cactus_spec.files import write_text_atomic
 
 #: The model id the server answers to.
@@ -131,7 +133,7 @@ BAD_REQUESTS: dict[str, bytes | dict] = {
 
 def hostile_requests(marker: str, trees: bool) -> dict[str, tuple[dict | bytes, int]]:
     """name -> (body or raw bytes, the status it must get): unsound ones a 400, the valid
-    ones a 200 (trees need a draft model: without one, a 400)."""
+    ones a 200 (trees need a drafter that drafts them: without one, a 400)."""
 
     def schema(s: dict) -> dict:
         return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
@@ -232,7 +234,7 @@ class Client:
         self, url: str, seed: str, tally: Tally, stop: threading.Event, trees: bool = False
     ) -> None:
         self.url = url
-        self.trees = trees  # the server drafts with a model: draft trees are served
+        self.trees = trees  # the server's drafter drafts trees: draft trees are served
         self.rng = random.Random(seed)
         self.backoff = random.Random(f"{seed} backoff")
         self.tally = tally
@@ -433,7 +435,7 @@ def served(args: argparse.Namespace, log: Path) -> Iterator[Server]:
     """``cactus-spec serve`` in its own process and session, until it answers /health; at
     the end, SIGTERM and the time it takes to exit (``Server.exit``)."""
     port = free_port()
-    draft = ["--draft", args.draft] if args.drafter == "model" else []
+    draft = ["--draft", args.draft] if DRAFTERS[args.drafter].needs_draft_model else []
     command = [
         sys.executable, "-m", "cactus_spec", "serve", "--verifier", args.verifier,
         "--drafter", args.drafter, *draft, "--max-batch", str(args.max_batch),
@@ -506,7 +508,7 @@ def run_clients(url: str, args: argparse.Namespace, tally: Tally) -> tuple[float
     """``args.clients`` threads for ``args.minutes`` (or until Ctrl-C), then up to
     ``DRAIN_S`` for them to finish: the wall time and how many were still busy."""
     stop = threading.Event()
-    trees = args.drafter == "model"
+    trees = DRAFTERS[args.drafter].drafts_trees
     clients = [Client(url, f"{args.seed} {i}", tally, stop, trees) for i in range(args.clients)]
     threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
     start = time.perf_counter()
@@ -698,22 +700,29 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line; ``--drafter`` takes the drafter registry's names."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--verifier", default="smollm2-135m")
-    parser.add_argument("--drafter", default="ngram", choices=["ngram", "model"])
-    parser.add_argument("--draft", default="smollm2-135m", help="with --drafter model")
+    parser.add_argument("--drafter", default="ngram", choices=list(DRAFTERS))
+    parser.add_argument(
+        "--draft", default="smollm2-135m", help="with a drafter that needs a draft model"
+    )
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-queue", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    if args.drafter != "model":
+    if not DRAFTERS[args.drafter].needs_draft_model:
         del settings["draft"]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # ends the run as Ctrl-C does
     tally = Tally()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,6 +34,7 @@ NAME = "repeat"
 K = 3
 PROMPT = "Count in words: one, two, three, four, five, six, seven,"
 MODEL_ID = "smollm2-135m"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
 class RepeatLast(StatelessDrafter):
@@ -73,12 +75,16 @@ def test_an_unregistered_drafter_is_one_line_before_any_model_loads(tmp_path, ca
     assert "--drafter: invalid choice: 'repeat'" in capsys.readouterr().err
 
 
-def test_a_registered_drafter_is_every_interfaces_name(repeat: str) -> None:
-    """The spec, the command line's choices and the bench's grid take it; it needs no draft
-    model and drafts no trees, so a tree with it is refused."""
+def test_a_registered_drafter_is_every_interfaces_name(repeat: str, monkeypatch) -> None:
+    """The spec, the command line's choices, the soak benchmark's and the bench's grid take
+    it; it needs no draft model and drafts no trees, so a tree with it is refused."""
     spec = DecodeSpec.of("sps", drafter=repeat, num_draft_tokens=K)
     assert spec.drafter == repeat and not spec.needs_draft_model
     assert parser().parse_args(["generate", "hi", "--drafter", repeat]).drafter == repeat
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import soak
+
+    assert soak.arguments().parse_args(["--out", "x", "--drafter", repeat]).drafter == repeat
     (config,) = expand([parse_entry(f"sps:drafter={repeat}")], [K])
     assert config.id == f"sps/K{K}/{repeat}" and config.label == f"sps K{K} {repeat}"
     with pytest.raises(ValueError, match=f"needs a draft model .*, got drafter {repeat}"):
