@@ -191,15 +191,16 @@ def render(results: list[dict], args) -> str:
             continue
         spread = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
                   if ratios else "-")  # fmt: skip
-        read, decode = (_median_of(results, row, k) for k in ("prompt_ms", "decode_tokens_per_s"))
+        read = _median_of(results, row, "prompt_ms", 0)
+        decode = _median_of(results, row, "decode_tokens_per_s", 1)
         lines.append(f"| {row} | {statistics.median(rates):.2f} | {spread} | {read} | {decode} |")
     return "\n".join(lines) + "\n"
 
 
-def _median_of(results: list[dict], row: str, key: str) -> str:
+def _median_of(results: list[dict], row: str, key: str, digits: int) -> str:
     """The median of a row's ``key`` (a server's own timings), "-" where none reported it."""
     values = [r[key] for r in results if r["row"] == row and r.get(key) is not None]
-    return f"{statistics.median(values):.0f}" if values else "-"
+    return f"{statistics.median(values):.{digits}f}" if values else "-"
 
 
 def _read(path: Path) -> list[dict]:
