@@ -203,7 +203,8 @@ void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) 
         u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(e, f));
         u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(e, f));
       }
-      for (int k = 0; k < 4; ++k) {  // column 4L + k gathers lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+      // column 4L + k: lane L of u[k], u[4 + k], u[8 + k] and u[12 + k]
+      for (int k = 0; k < 4; ++k) {
         const __m512 x0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
         const __m512 x1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
         const __m512 y0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
