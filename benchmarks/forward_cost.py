@@ -7,7 +7,7 @@ over repetitions, configurations alternating.
 
 A configuration is a quantisation (none, int8, int4) and the kernel: ``native``
 (cactus_spec.backends.native: int8 on AMX tiles where the CPU has them, bfloat16 on AMX
-for none), ``vnni`` (the native int8 kernel without AMX, CACTUS_SPEC_AMX=0) or torch's
+for none), ``vnni`` (the native int8 kernel built without AMX, CACTUS_SPEC_ISA=avx512) or torch's
 fallback (``fbgemm`` for int8, ``onednn`` for bfloat16); ``@N`` keeps only the N most
 frequent tokens in the LM head (``loading.head_vocab``, a truncated draft head). Each configuration
 loads its own copy of the model; the rounds run every configuration once per repetition,
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from cactus_spec import isa
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import LeanModel
 from cactus_spec.loading.models import load_model
@@ -36,7 +37,7 @@ def environment(config: str) -> dict[str, str]:
     kernel = config.partition("@")[0].partition(":")[2]
     return {
         "CACTUS_SPEC_NATIVE": "0" if kernel in ("fbgemm", "onednn") else "1",
-        "CACTUS_SPEC_AMX": "0" if kernel == "vnni" else "1",
+        "CACTUS_SPEC_ISA": "avx512" if kernel == "vnni" else os.environ.get("CACTUS_SPEC_ISA", ""),
     }
 
 
@@ -45,6 +46,7 @@ def switched(config: str):
     """Run the block with the configuration's kernel switches, then restore them."""
     saved = {name: os.environ.get(name) for name in environment(config)}
     os.environ.update(environment(config))
+    isa.chosen.cache_clear()
     native.load.cache_clear()
     native.load()  # found again here, not inside a timed forward
     try:
@@ -55,6 +57,7 @@ def switched(config: str):
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+        isa.chosen.cache_clear()
         native.load.cache_clear()  # the native models find the kernels again
 
 

@@ -38,10 +38,11 @@ The extension is built with torch's C++ toolchain (a C++ compiler and ninja) int
 a cache shared between machines never runs code compiled for another CPU; later processes
 load it in a fraction of a second. ``CACTUS_SPEC_NATIVE=0`` turns it off; without a
 compiler it is off, and callers fall back to torch's kernels (``available()`` says which).
-``CACTUS_SPEC_AMX=0`` keeps them without AMX tiles (the bfloat16 kernel then is not used).
-``CACTUS_SPEC_ISA`` builds (and keys) them for a lower level than the CPU's (``isa``): the
-int8 and int4 products then take their AVX2 path (AVX-VNNI where the compiler targets it),
-which gives the same bits as the AVX512 one (``int_simd()`` names the path compiled).
+``CACTUS_SPEC_ISA`` builds (and keys) them for a lower level than the CPU's (``isa``): at
+``avx512`` without AMX tiles (the int8 kernel then takes VNNI for blocks of rows too); at
+``avx2`` the int8 and int4 products take their AVX2 path (AVX-VNNI where the compiler targets
+it), which gives the same bits as the AVX512 one. One header, ``simd.h``, decides from the
+compiler's target which SIMD every kernel compiles (``int_simd()`` names the int8 and int4 path).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ _SOURCE_NAMES = (
     "amx.cpp", "int8_linear.cpp", "int4_linear.cpp", "bf16_linear.cpp", "block.cpp", "bindings.cpp",
 )  # fmt: skip
 SOURCES = tuple(_HERE / name for name in _SOURCE_NAMES)
-HEADERS = (_HERE / "amx.h", _HERE / "linear.h", _HERE / "block.h")
+HEADERS = tuple(_HERE / name for name in ("simd.h", "amx.h", "linear.h", "block.h"))
 #: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded
 #: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds);
 #: the target is the level ``isa`` holds this process to (the CPU's own: -march=native).

@@ -6,14 +6,11 @@
 
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-#include <immintrin.h>
-#define CACTUS_AMX 1
-#endif
+#include "simd.h"
 
 // Whether AMX was compiled in and Linux lends this process the tile registers (it does so
-// only on request, made once; a CPU without AMX or a kernel that refuses makes it false),
-// and CACTUS_SPEC_AMX is not "0" (read at every call: the int8 kernel then takes VNNI).
+// only on request, made once; a CPU without AMX or a kernel that refuses makes it false).
+// A process held below AMX (CACTUS_SPEC_ISA=avx512) has a build without it.
 bool has_amx();
 
 #ifdef CACTUS_AMX

@@ -26,11 +26,6 @@
 
 #include "amx.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define CACTUS_AVX512_BF16 1
-#endif
-
 namespace {
 
 constexpr int64_t kLanes = 16;                  // outputs per 64-byte packed group

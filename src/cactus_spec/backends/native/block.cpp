@@ -21,10 +21,6 @@
 
 #include <ATen/Parallel.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -184,7 +180,7 @@ constexpr int64_t kValueBlock = 64;
 // transposed [d, kLanes] = the n (<= kLanes) rows [n, d] of keys, zeros past them. AVX512: a
 // 16 x 16 tile at a time in registers (two rounds of unpacks, two of 128-bit shuffles).
 void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) {
-#ifdef __AVX512F__
+#ifdef CACTUS_AVX512
   if (d % kLanes == 0) {
     for (int64_t c0 = 0; c0 < d; c0 += kLanes) {
       __m512 r[16], t[16], u[16];

@@ -27,17 +27,6 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define CACTUS_VNNI 1
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#define CACTUS_AVX2 1
-#if defined(__AVXVNNI__)
-#define CACTUS_AVX_VNNI 1
-#endif
-#endif
-
 namespace {
 
 constexpr int64_t kLanes = 16;                  // outputs per vector
@@ -49,10 +38,10 @@ constexpr int kRowTile = 2;                     // input rows per pass over a st
 constexpr int64_t kAhead = 16;                  // groups prefetched ahead (32 KB)
 
 // sums[r][j] = sum_g (s D + low V) of the header for R rows from r0 and one stripe.
+#ifdef CACTUS_VNNI
 template <int R>
 void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
                  const at::Half* scales, int64_t groups, float (*sums)[kOutTile]) {
-#ifdef CACTUS_VNNI
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][kBlocks];
   for (int r = 0; r < R; ++r)
@@ -102,10 +91,14 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(sums[r] + b * kLanes, acc[r][b]);
+}
 #elif defined(CACTUS_AVX2)
-  // The same steps on halves of 8 lanes, so the same bits: each group's products exact in
-  // int32 (AVX-VNNI's vpdpbusd, or vpmaddubsw on codes <= 15 against |v| <= 127, which int16
-  // holds, then vpmaddwd), then the same two fused multiply-adds per lane.
+// The same steps on halves of 8 lanes, so the same bits: each group's products exact in
+// int32 (AVX-VNNI's vpdpbusd, or vpmaddubsw on codes <= 15 against |v| <= 127, which int16
+// holds, then vpmaddwd), then the same two fused multiply-adds per lane.
+template <int R>
+void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
+                 const at::Half* scales, int64_t groups, float (*sums)[kOutTile]) {
   constexpr int kHalves = 2 * kBlocks;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
 #ifndef CACTUS_AVX_VNNI
@@ -163,7 +156,11 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(sums[r] + h * 8, acc[r][h]);
+}
 #else
+template <int R>
+void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
+                 const at::Half* scales, int64_t groups, float (*sums)[kOutTile]) {
   for (int r = 0; r < R; ++r) {
     const int8_t* v = rows.v.data() + (r0 + r) * rows.k4;
     for (int64_t j = 0; j < kOutTile; ++j) {
@@ -186,8 +183,8 @@ void stripe_sums(const SignedRows& rows, int64_t r0, const uint8_t* codes,
       sums[r][j] = acc;
     }
   }
-#endif
 }
+#endif
 
 void stripe_rows(const SignedRows& rows, int64_t r0, int count, const uint8_t* codes,
                  const at::Half* scales, int64_t groups, float (*sums)[kOutTile]) {

@@ -31,17 +31,6 @@
 
 #include "amx.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define CACTUS_VNNI 1
-#elif defined(__AVX2__)
-#include <immintrin.h>
-#define CACTUS_AVX2 1
-#if defined(__AVXVNNI__)
-#define CACTUS_AVX_VNNI 1
-#endif
-#endif
-
 namespace {
 
 // Whether dot_tile's sums are centred, sum_k (u - 128) w (AVX2 without VNNI), rather than
@@ -78,11 +67,11 @@ constexpr int kGroupsAtOnce = kBlocks;
 
 // dots[r][j] = sum_k u[r, k] w[j, k] for R rows and the B groups of 16 outputs from group
 // `first` of one tile (centred, sum_k (u[r, k] - 128) w[j, k], where kCentredDots).
+#ifdef CACTUS_VNNI
 template <int R, int B>
 void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
                 int32_t (*dots)[kOutTile]) {
   const int64_t quads = k4 / 4;
-#ifdef CACTUS_VNNI
   __m512i acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_si512();
@@ -102,12 +91,17 @@ void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) _mm512_storeu_si512(dots[r] + (first + b) * kLanes, acc[r][b]);
+}
 #elif defined(CACTUS_AVX2)
-  // Each 64-byte group is two halves of 8 outputs' 4 inputs. AVX-VNNI: vpdpbusd in 256 bits.
-  // AVX2 alone: with s = u - 128 (int8), sum_k u w = sum_k s w + 128 sum_k w, and the pairs
-  // s w are summed exactly in int16 by vpmaddubsw on |s| (<= 128, unsigned) against w carrying
-  // s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd: the centred sums
-  // the caller would otherwise form from sum_k u w.
+// Each 64-byte group is two halves of 8 outputs' 4 inputs. AVX-VNNI: vpdpbusd in 256 bits.
+// AVX2 alone: with s = u - 128 (int8), sum_k u w = sum_k s w + 128 sum_k w, and the pairs
+// s w are summed exactly in int16 by vpmaddubsw on |s| (<= 128, unsigned) against w carrying
+// s's sign (|w| <= 127: 2 * 128 * 127 < 2^15), then in int32 by vpmaddwd: the centred sums
+// the caller would otherwise form from sum_k u w.
+template <int R, int B>
+void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
+                int32_t (*dots)[kOutTile]) {
+  const int64_t quads = k4 / 4;
   constexpr int kHalves = 2 * B;
   __m256i acc[R][kHalves];
   for (int r = 0; r < R; ++r)
@@ -146,7 +140,12 @@ void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < kHalves; ++h)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots[r] + first * kLanes + h * 8), acc[r][h]);
+}
 #else
+template <int R, int B>
+void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
+                int32_t (*dots)[kOutTile]) {
+  const int64_t quads = k4 / 4;
   for (int r = 0; r < R; ++r) {
     for (int64_t j = first * kLanes; j < (first + B) * kLanes; ++j) {
       const int8_t* group = tile + (j / kLanes) * quads * 64 + (j % kLanes) * 4;
@@ -157,8 +156,8 @@ void dot_groups(const uint8_t* u, int64_t k4, const int8_t* tile, int first,
       dots[r][j] = sum;
     }
   }
-#endif
 }
+#endif
 
 // All the groups of a tile for R rows, kGroupsAtOnce<R> at a time.
 template <int R>
@@ -273,16 +272,4 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   int8_products(rows, {packed, scale, code_sums, bias.value_or(torch::Tensor())},
                 y.data_ptr<float>());
   return y;
-}
-
-const char* int_simd() {
-#if defined(CACTUS_VNNI)
-  return "AVX512-VNNI";
-#elif defined(CACTUS_AVX_VNNI)
-  return "AVX-VNNI";
-#elif defined(CACTUS_AVX2)
-  return "AVX2";
-#else
-  return "portable C++";
-#endif
 }

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd.h"
+
 // each(r) for r in [0, m), rows split among torch's threads where there are enough of them to
 // pay for it (a prompt's chunk), on the calling thread otherwise (a decode step's few rows).
 template <class F>
@@ -20,19 +22,6 @@ void for_rows(int64_t m, const F& each) {
     for (int64_t r = begin; r < end; ++r) each(r);
   });
 }
-
-#if defined(__AVX512VNNI__)
-#include <immintrin.h>
-
-// acc + a's unsigned bytes times b's signed bytes, four products to each int32 lane
-// (vpdpbusd), in assembly: GCC 12 moves the accumulator of _mm512_dpbusd_epi32 to a fresh
-// register around every call (a pass of 4 rows over 4 groups ran 32 moves beside its 16
-// products) and spills the sums of more rows to memory. The same instruction, so the same bits.
-inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
-#endif
 
 // Rows per pass over a stripe for m >= 0 rows: the fewest passes of at most `most` rows,
 // split evenly (11 rows, at most 6: 6 + 5; 16 rows, at most 12: 8 + 8); 0 for m = 0, so no
@@ -65,9 +54,6 @@ torch::Tensor pack_int8(const torch::Tensor& w);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scale, const torch::Tensor& code_sums,
                           const c10::optional<torch::Tensor>& bias);
-// The instructions the int8 and int4 products were compiled for: "AVX512-VNNI", "AVX-VNNI",
-// "AVX2" or "portable C++" (one row; blocks of rows take AMX tiles where has_amx()).
-const char* int_simd();
 
 // Input rows quantised to int8 codes symmetrically, each on its own range, x[r] ~ step[r] v,
 // with each group of 64 codes' sum (int4_linear.cpp).
