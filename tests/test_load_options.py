@@ -46,7 +46,7 @@ def test_refusals_name_the_key_as_the_caller_writes_it() -> None:
         parse_load({"thread": 2}, needs_draft=False)
     with pytest.raises(ValueError, match="--draft-vocab does not apply: nothing is drafted"):
         parse_load({"draft_vocab": 8}, needs_draft=False, label=_flag)
-    with pytest.raises(ValueError, match="backend must be one of auto, lean, hf, got 'fast'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, lean, hf, ggml, got 'fast'"):
         parse_load({"backend": "fast"}, needs_draft=False)
     with pytest.raises(ValueError, match="draft_quant must be one of none, int8, int4"):
         parse_load({"draft_quant": "int3"}, needs_draft=True)

@@ -45,10 +45,10 @@ def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
     together whatever the models are, refused before any model loads."""
     options = _load_options(args, spec.needs_draft_model)
     spec.check_trees(flag)
-    if spec.trees and options.backend == "hf":
+    if spec.trees and options.backend in ("hf", "ggml"):
         raise ValueError(
             f"--verification {spec.verification} needs token-tree attention, which "
-            "--backend hf lacks; use --backend lean or auto"
+            f"--backend {options.backend} lacks; use --backend lean or auto"
         )
     return options
 

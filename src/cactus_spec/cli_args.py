@@ -324,9 +324,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-quant",
         choices=QUANTS,
-        default="int8",
+        default=None,
         help="draft weights (any of them keeps the output law; int8 and int4 are level end "
-        "to end where measured)",
+        "to end where measured); default int8, the GGUF's own with --backend ggml",
     )
     p.add_argument(
         "--draft-vocab",

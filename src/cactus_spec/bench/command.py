@@ -99,6 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
     Missing peers are dropped (and said) only once every argument has been checked, so a
     bad argument is the one line on stderr."""
+    if args.backend == "ggml":
+        raise ValueError("--backend ggml is not in the bench yet; use auto, lean or hf")
     settings = BenchSettings(
         task=_task(args),
         grid=_grid(args),

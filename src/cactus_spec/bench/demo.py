@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cactus_spec import isa
+from cactus_spec.backends.ggml import GgufModel
 from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
@@ -118,6 +119,9 @@ def _kernels_line(verifier: LoadedModel, draft: LoadedModel) -> str:
     kernels = {"int8": quant_kernel(), "int4": int4_kernel(), "bfloat16": bf16_kernel()}
     used = {}
     for role, model in (("verifier", verifier), ("draft", draft)):
+        if isinstance(model.model, GgufModel):
+            used[role] = "llama.cpp (ggml), the GGUF's own weights"
+            continue
         kind = model.quant if model.quant in ("int8", "int4") else "bfloat16"
         dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
         used[role] = kernels[kind] if kind != "bfloat16" or dtype == kind else f"{dtype}, torch"

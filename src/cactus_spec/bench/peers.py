@@ -92,7 +92,7 @@ def hf_generate(
     seed: int,
 ) -> PeerResult:
     """Run one ``hf`` or ``hf_assisted`` configuration on one prompt."""
-    model = verifier.model
+    model = verifier.transformers("the hf peers")
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, L]
     kwargs = _sampling_kwargs(sampling)
     settings: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -101,9 +101,9 @@ def hf_generate(
     elif config.method == "hf_assisted":
         if draft is None:
             raise ValueError("hf_assisted with the model drafter needs a draft model")
-        kwargs["assistant_model"] = draft.model
+        kwargs["assistant_model"] = assistant = draft.transformers("hf_assisted")
         assert config.num_draft_tokens is not None  # a peer's K is given (auto is refused)
-        settings = _assistant_settings(draft.model, config.num_draft_tokens)
+        settings = _assistant_settings(assistant, config.num_draft_tokens)
     torch.manual_seed(seed)
     with _quiet(), settings, torch.inference_mode():
         start = time.perf_counter()

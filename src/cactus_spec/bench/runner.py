@@ -127,7 +127,7 @@ class BenchSettings:
         verifiers = as_verifiers(verifiers)
         drafts = as_drafts(drafts)
         verifier = next(iter(verifiers.values()))
-        model = verifier.model
+        model = verifier.transformers("the bench")
         task = {"name": self.task.name, "n": self.task.n, "seed": self.task.seed}
         if self.task.path is not None:
             data = Path(self.task.path).read_bytes()
@@ -284,7 +284,7 @@ class Runner:
             )
             for i, item in todo
         ]
-        device = self.verifier.model.device
+        device = self.verifier.device
         memory.reset_peak(device)
 
         def finished(j: int, result) -> None:
@@ -306,7 +306,7 @@ class Runner:
     def run_one(self, index: int, item: Item, config: Config) -> dict:
         """Generate for one item with one configuration and score it."""
         ids = self.prompt_ids(item)
-        device = self.verifier.model.device
+        device = self.verifier.device
         memory.reset_peak(device)
         measured = self._generate(config, ids, self.settings.item_seed(index))
         return self._row(index, item, config, measured, memory.peak_bytes(device))
@@ -408,7 +408,7 @@ def run_bench(
     store = RunDirectory(out, identity)
     divergences = verifier_divergences(verifiers)
     runner.run(items, store, progress)
-    model = runner.verifier.model
+    model = runner.verifier.transformers("the bench")
     meta = {
         "run": identity,
         "environment": environment(model.device, model.dtype),

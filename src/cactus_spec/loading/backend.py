@@ -1,21 +1,35 @@
-"""Which backend runs a loaded model: the lean code where it applies, else transformers."""
+"""Which backend runs a loaded model: the lean code where it applies, else transformers;
+llama.cpp for a GGUF loaded for the ggml backend."""
 
 from __future__ import annotations
 
 from cactus_spec.backends.base import Backend
+from cactus_spec.backends.ggml import GgmlBackend, GgufModel
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel, unsupported_reason
-from cactus_spec.loading.models import LoadedModel
-from cactus_spec.loading.options import BACKENDS
+from cactus_spec.loading.models import BACKENDS, LoadedModel
 
 
 def make_backend(loaded: LoadedModel, kind: str = "auto", slots: int = 1) -> Backend:
     """A backend over ``loaded``: ``lean`` (Qwen2/Llama in plain torch, static per-row
-    cache), ``hf`` (any transformers model), or ``auto`` (lean when it supports the model).
-    The cache holds ``slots`` rows of the model's full context, at most
-    ``lean.DEFAULT_CONTEXT`` tokens each; the transformers backend holds one row."""
+    cache), ``hf`` (any transformers model), ``auto`` (lean when it supports the model), or
+    ``ggml`` (llama.cpp, for a model loaded with ``load_model(..., backend="ggml")``, which
+    ``auto`` runs on ggml too). The cache holds ``slots`` rows of the model's full
+    context, at most ``lean.DEFAULT_CONTEXT`` tokens each; the transformers backend holds
+    one row."""
     if kind not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
+    if isinstance(loaded.model, GgufModel):
+        if kind not in ("auto", "ggml"):
+            raise ValueError(
+                f"backend {kind} cannot run {loaded.identity}, loaded for backend ggml"
+            )
+        return GgmlBackend(loaded.model, slots)
+    if kind == "ggml":
+        raise ValueError(
+            f"backend ggml runs a GGUF loaded for it (load_model(..., backend='ggml')); "
+            f"{loaded.identity} is a transformers model"
+        )
     reason = unsupported_reason(loaded.model)
     if kind == "hf" or (kind == "auto" and reason is not None):
         if slots > 1:

@@ -2,7 +2,8 @@
 
 A GGUF file is dequantised once into a dense bfloat16 copy in the model store
 (``model_store``), keyed by
-the file's sha256, so later loads take about a second. A known name (``catalog``) loads its
+the file's sha256, so later loads take about a second; for the ggml backend it is read by
+llama.cpp as it is (``gguf``), with no copy. A known name (``catalog``) loads its
 cached GGUF only when it matches the pinned sha256; only a hub id reaches the network.
 """
 
@@ -22,9 +23,11 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from cactus_spec import isa
+from cactus_spec.backends.ggml import GgufModel
 from cactus_spec.backends.quant import check_quant, quantize
 from cactus_spec.core.checks import check_int
 from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.gguf import check_ggml, read_gguf
 from cactus_spec.loading.head_vocab import head_tokens, restrict_head
 from cactus_spec.loading.model_store import (
     FETCH_HINT,
@@ -35,6 +38,7 @@ from cactus_spec.loading.model_store import (
 )
 
 __all__ = [
+    "BACKENDS",
     "FETCH_HINT",
     "ModelSource",
     "as_loaded",
@@ -48,6 +52,8 @@ __all__ = [
     "load_model",
     "resolve_dtype",
 ]
+#: The code that runs a loaded model (``loading.backend.make_backend``).
+BACKENDS = ("auto", "lean", "hf", "ggml")
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -67,9 +73,10 @@ class VocabularyMismatchError(ValueError):
 
 @dataclass
 class LoadedModel:
-    """A model ready for inference, with its tokenizer (if any) and where it came from."""
+    """A model ready for inference, with its tokenizer (if any) and where it came from:
+    a transformers model, or a GGUF file loaded by llama.cpp for the ggml backend."""
 
-    model: PreTrainedModel
+    model: PreTrainedModel | GgufModel
     tokenizer: PreTrainedTokenizerBase | None
     identity: str  # local path or hub id
     sha256: str | None  # of the GGUF file, when loaded from one
@@ -79,13 +86,26 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.model, GgufModel):
+            return torch.device("cpu")
         return next(self.model.parameters()).device
 
+    def transformers(self, purpose: str) -> PreTrainedModel:
+        """The transformers model; ValueError saying ``purpose`` needs one, for a GGUF that
+        llama.cpp runs (the ggml backend)."""
+        if isinstance(self.model, GgufModel):
+            raise ValueError(
+                f"{purpose} needs a transformers model; {self.identity} is run by llama.cpp "
+                "(backend ggml)"
+            )
+        return self.model
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset:
+
+def _eos_ids(model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None) -> frozenset:
     """End-of-sequence ids from the generation config, the config, or the tokenizer."""
     found: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    configs = () if model is None else (getattr(model, "generation_config", None), model.config)
+    for source in (*configs, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(value, int):
             found.add(value)
@@ -191,6 +211,7 @@ def load_model(
     threads: int | None = None,
     quant: str = "none",
     head_vocab: int | None = None,
+    backend: str = "auto",
 ) -> LoadedModel:
     """Load a model from a model object, a known name (``cactus-spec models fetch``), a local
     directory, a `.gguf` file or a hub id.
@@ -201,8 +222,13 @@ def load_model(
     ones (``backends.quant``; the model then runs in float32 or bfloat16 around them, and a
     model object is changed in place). ``head_vocab=N`` keeps the N most frequent tokens in
     the LM head (``head_vocab``: a cheaper draft; ``head_tokens`` lists the ids its logits
-    stand for).
+    stand for). ``backend="ggml"`` loads a known name or a `.gguf` file as llama.cpp runs
+    it, with no dense copy (``gguf``: no quant, head_vocab or dtype then, CPU only).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "ggml":
+        return _load_ggml(source, dtype, device, threads, quant, head_vocab)
     device = check_device(device)
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
@@ -227,6 +253,26 @@ def load_model(
         model = quantize(model, quant)
     eos = _eos_ids(model, tokenizer)
     return LoadedModel(model, tokenizer, identity, sha, quant, eos, head)
+
+
+def _load_ggml(
+    source: object,
+    dtype: object,
+    device: object,
+    threads: int | None,
+    quant: str,
+    head_vocab: int | None,
+) -> LoadedModel:
+    """``load_model`` for the ggml backend: the GGUF file read by llama.cpp, its tokenizer."""
+    check_ggml({"dtype": dtype, "device": str(device), "quant": quant, "head_vocab": head_vocab})
+    if not isinstance(source, (str, Path)):
+        raise TypeError(
+            f"backend ggml reads a known model name or a .gguf path, got {type(source).__name__}"
+        )
+    threads = None if threads is None else check_threads(threads)
+    model, tokenizer, identity, sha = read_gguf(source, threads)
+    eos = model.eos_ids | _eos_ids(None, tokenizer)
+    return LoadedModel(model, tokenizer, identity, sha, "none", eos)
 
 
 def _truncate_head(
@@ -263,7 +309,9 @@ def check_device(device: object, label: str = "device") -> torch.device:
     return parsed
 
 
-def _config_vocab_size(model: PreTrainedModel) -> int:
+def _config_vocab_size(model: PreTrainedModel | GgufModel) -> int:
+    if isinstance(model, GgufModel):
+        return model.vocab_size
     return model.config.get_text_config().vocab_size
 
 
@@ -317,9 +365,11 @@ def as_loaded(
     threads: int | None = None,
     quant: str = "none",
     head_vocab: int | None = None,
+    backend: str = "auto",
 ) -> LoadedModel:
-    """``source`` loaded (TypeError naming ``name`` for anything else); ``quant`` and
-    ``head_vocab`` apply only to what is loaded here, never to a model the caller owns."""
+    """``source`` loaded (TypeError naming ``name`` for anything else) for ``backend``;
+    ``quant`` and ``head_vocab`` apply only to what is loaded here, never to a model the
+    caller owns."""
     if isinstance(source, LoadedModel):
         return source
     if not isinstance(source, (str, PreTrainedModel)) and not hasattr(source, "__fspath__"):
@@ -330,5 +380,11 @@ def as_loaded(
     if isinstance(source, PreTrainedModel):
         quant, head_vocab = "none", None
     return load_model(
-        source, dtype=dtype, device=device, threads=threads, quant=quant, head_vocab=head_vocab
+        source,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        quant=quant,
+        head_vocab=head_vocab,
+        backend=backend,
     )

@@ -16,10 +16,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from cactus_spec.backends.ggml import GgufModel
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import is_int
 from cactus_spec.loading.catalog import DEFAULT_PAIR
+from cactus_spec.loading.gguf import READS, check_ggml, check_gguf_source
 from cactus_spec.loading.models import (
+    BACKENDS,
     LoadedModel,
     ModelSource,
     check_device,
@@ -29,8 +32,6 @@ from cactus_spec.loading.models import (
 
 __all__ = ["BACKENDS", "LOAD_KEYS", "LoadOptions", "parse_load"]
 
-#: The code that runs a loaded model (``loading.backend.make_backend``).
-BACKENDS = ("auto", "lean", "hf")
 #: What ``parse_load`` reads.
 LOAD_KEYS = (
     "verifier", "draft", "verifier_quant", "draft_quant", "draft_vocab", "dtype", "device",
@@ -41,7 +42,8 @@ LOAD_KEYS = (
 @dataclass(frozen=True)
 class LoadOptions:
     """Which models load and how. ``draft`` is None exactly when nothing is drafted by a
-    model; ``verifier_quant`` is resolved (never ``auto``: ``resolve_verifier_quant``)."""
+    model; ``verifier_quant`` is resolved (never ``auto``: ``resolve_verifier_quant``; none
+    on the ggml backend, whose weights are the GGUF's own, as ``draft_quant``)."""
 
     verifier: ModelSource = DEFAULT_PAIR[0]
     draft: ModelSource | None = None
@@ -59,7 +61,10 @@ class LoadOptions:
 
     def model_kwargs(self) -> dict[str, Any]:
         """What ``load_model`` takes for either model, beside its quantisation."""
-        return {"dtype": self.dtype, "device": self.device, "threads": self.threads}
+        return {
+            "dtype": self.dtype, "device": self.device, "threads": self.threads,
+            "backend": self.backend,
+        }  # fmt: skip
 
 
 def parse_load(
@@ -74,7 +79,9 @@ def parse_load(
     The verifier defaults to ``default_pair[0]``; the draft to ``default_pair[1]`` where
     ``needs_draft`` (the spec drafts with a model); without ``default_pair`` both are
     required. A draft or a draft vocabulary given where nothing is drafted by a model is
-    refused. Counts may be text (lm-eval's model args). ValueError naming the key
+    refused. Counts may be text (lm-eval's model args). Backend ``ggml`` reads GGUF files
+    only and runs their own weights: a quantisation of ours (``auto`` reads as none), a cut
+    draft head or a dtype is refused, and both quantisations read none. ValueError naming the key
     (``label(key)``) and what it allows, for the first bad one; TypeError for a model that
     is neither a name nor a model.
     """
@@ -90,24 +97,46 @@ def parse_load(
                 "(method ar, or a drafter without a draft model)"
             )
     defaults = default_pair or (None, None)
+    backend = _choice(label("backend"), given.get("backend", "auto"), BACKENDS)
     device = str(check_device(given.get("device", "cpu"), label("device")))
     dtype = given.get("dtype")
     if not isinstance(dtype, (str, torch.dtype, type(None))):
         raise ValueError(f"{label('dtype')} must be a dtype's name or a torch.dtype, got {dtype!r}")
     resolve_dtype(dtype, device, label("dtype"))
-    return LoadOptions(
+    verifier_quant = _choice(
+        label("verifier_quant"), given.get("verifier_quant", "none"), (*QUANTS, "auto")
+    )
+    draft_quant = _choice(label("draft_quant"), given.get("draft_quant", "int8"), QUANTS)
+    options = LoadOptions(
         verifier=_source(label("verifier"), given.get("verifier", defaults[0])),
         draft=_source(label("draft"), given.get("draft", defaults[1])) if needs_draft else None,
-        verifier_quant=resolve_verifier_quant(
-            _choice(label("verifier_quant"), given.get("verifier_quant", "none"), (*QUANTS, "auto"))
-        ),
-        draft_quant=_choice(label("draft_quant"), given.get("draft_quant", "int8"), QUANTS),
+        verifier_quant="none" if backend == "ggml" else resolve_verifier_quant(verifier_quant),
+        draft_quant="none" if backend == "ggml" else draft_quant,
         draft_vocab=_count(label("draft_vocab"), given.get("draft_vocab")),
         dtype=dtype,
         device=device,
         threads=_count(label("threads"), given.get("threads")),
-        backend=_choice(label("backend"), given.get("backend", "auto"), BACKENDS),
+        backend=backend,
     )
+    if backend == "ggml":
+        ours: dict[str, object] = {
+            "verifier_quant": "none" if verifier_quant == "auto" else verifier_quant
+        }
+        ours |= {"draft_quant": given.get("draft_quant"), "draft_vocab": options.draft_vocab}
+        check_ggml(ours | {"dtype": dtype, "device": device}, label)
+        for key in ("verifier", "draft"):
+            _check_gguf_model(label(key), getattr(options, key), f"{label('backend')} ggml")
+    return options
+
+
+def _check_gguf_model(name: str, source: ModelSource | None, backend: str) -> None:
+    """ValueError naming ``name`` and ``backend`` unless the ggml backend reads ``source``
+    (None: no model): a known name, a ``.gguf`` path, or a model loaded for it."""
+    if source is None or isinstance(source, LoadedModel) and isinstance(source.model, GgufModel):
+        return
+    if isinstance(source, (LoadedModel, PreTrainedModel)):
+        raise ValueError(f"{backend} reads {READS}; {name} is a transformers model already loaded")
+    check_gguf_source(source, name, backend)
 
 
 def _source(name: str, value: object) -> ModelSource:

@@ -76,12 +76,13 @@ class SpeculativeDecoder:
     default: the spec's K.
 
     ``backend`` picks the code that runs both models (``loading.backend.make_backend``:
-    auto, lean or hf). ``prefix_cache`` lets a prompt reuse the keys and values of the longest
-    prefix a row still holds from its last sequence (``prefixes``). ``grammar_limits`` bound
-    what a request's grammar may cost (``grammar.GrammarLimits``). ``draft_quant`` and
-    ``verifier_quant`` ("none", "int8", "int4") apply
-    to models this constructor loads from a name or path: the draft is int8 by default (the
-    output law depends only on the verifier, so SpS stays exact), the verifier is not.
+    auto, lean, hf, or ggml: llama.cpp over the GGUF files themselves). ``prefix_cache`` lets
+    a prompt reuse the keys and values of the longest prefix a row still holds from its last
+    sequence (``prefixes``). ``grammar_limits`` bound what a request's grammar may cost
+    (``grammar.GrammarLimits``). ``draft_quant`` and ``verifier_quant`` ("none", "int8",
+    "int4") apply to models this constructor loads from a name or path: the draft is int8 by
+    default (the output law depends only on the verifier, so SpS stays exact; on the ggml
+    backend both run the GGUF's own weights), the verifier is not.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
     (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
     to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` where
@@ -100,7 +101,7 @@ class SpeculativeDecoder:
         device: str = "cpu",
         threads: int | None = None,
         backend: str = "auto",
-        draft_quant: str = "int8",
+        draft_quant: str | None = None,
         draft_vocab: int | None = None,
         verifier_quant: str = "none",
         max_batch: int = 1,

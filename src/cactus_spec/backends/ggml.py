@@ -1,0 +1,281 @@
+"""llama.cpp as a backend: a GGUF file run by llama.cpp's own library (ggml), no dense copy.
+
+Through llama-cpp-python's low-level API (``llama_cpp.llama_cpp``, pinned in the ``peers``
+extra). ``GgufModel`` is the file loaded once (weights mapped as stored, Q4_K_M blocks and
+all); ``GgmlBackend`` is one llama_context over it holding every row: row r is sequence id r
+of a unified KV cache of ``slots * context_length`` cells, each row holding at most
+``context_length`` tokens. A call feeds all its rows' tokens in one ``llama_decode`` (several
+when they pass the context's ``n_batch``), the output flag set only on the positions whose
+logits are wanted, and copies those logits once into one float32 tensor. Rollback and reset
+are ``llama_memory_seq_rm``. No token trees (``reads_trees = False``).
+
+llama.cpp's logits depend on how many tokens a forward reads (ggml picks its matrix-product
+path by width), so the same row fed in another batch shape agrees up to rounding, not bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import weakref
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cactus_spec.backends.lean import DEFAULT_CONTEXT
+
+__all__ = ["INSTALL_HINT", "GgmlBackend", "GgufModel", "available"]
+
+INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~5 minutes)"
+
+#: Most tokens one ``llama_decode`` reads (the context's n_batch; n_ubatch is llama.cpp's).
+DECODE_TOKENS = 2048
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (nothing is imported)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@cache
+def _library() -> ModuleType:
+    """llama.cpp's low-level API, its backend initialised once, its log held to errors."""
+    from llama_cpp import llama_cpp as lib
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # the binding's log callback
+    lib.llama_backend_init()
+    return lib
+
+
+class GgufModel:
+    """A GGUF file loaded by llama.cpp, to be run with ``threads`` CPU threads (None:
+    torch's count). ValueError naming the file when llama.cpp cannot read it."""
+
+    def __init__(self, path: Path, threads: int | None = None) -> None:
+        lib = _library()
+        handle = lib.llama_model_load_from_file(
+            str(path).encode(), lib.llama_model_default_params()
+        )
+        if not handle:
+            raise ValueError(
+                f"backend ggml could not read {path}: llama.cpp lacks its architecture or "
+                "the file is damaged"
+            )
+        self.path, self.handle = path, handle
+        self.threads = threads or torch.get_num_threads()
+        vocab = lib.llama_model_get_vocab(handle)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        self.max_positions = int(lib.llama_model_n_ctx_train(handle))
+        self.eos_ids = frozenset(
+            int(t) for t in (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)) if t >= 0
+        )
+        weakref.finalize(self, lib.llama_model_free, handle)
+
+
+class GgmlBackend:
+    """The Backend protocol over a ``GgufModel``: ``slots`` rows (sequence ids) of one
+    llama_context, at most ``context_length`` tokens each (default ``lean.DEFAULT_CONTEXT``,
+    at most the model's trained context)."""
+
+    #: No token-tree attention here (``append_tree`` refuses).
+    reads_trees = False
+
+    def __init__(self, model: GgufModel, slots: int = 1, context_length: int | None = None):
+        lib = _library()
+        self.model = model
+        self._size = min(model.max_positions, context_length or DEFAULT_CONTEXT)
+        params = lib.llama_context_default_params()
+        params.n_ctx = self._size * slots
+        params.n_batch = DECODE_TOKENS
+        params.n_seq_max = slots
+        params.n_threads = params.n_threads_batch = model.threads
+        params.kv_unified = True
+        params.no_perf = True
+        context = lib.llama_init_from_model(model.handle, params)
+        if not context:
+            raise ValueError(
+                f"backend ggml could not make a context of {slots} rows of {self._size} tokens "
+                f"over {model.path}"
+            )
+        self._context = context
+        self._memory = lib.llama_get_memory(context)
+        self._lengths = [0] * slots
+        self._batch = _Batch(min(DECODE_TOKENS, int(lib.llama_n_batch(context))), slots)
+        weakref.finalize(self, lib.llama_free, context)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self._size
+
+    @property
+    def slots(self) -> int:
+        """How many rows (sequence ids) the context holds."""
+        return len(self._lengths)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def length_of(self, row: int) -> int:
+        """Tokens cached in ``row``."""
+        return self._lengths[self._check_row(row)]
+
+    def append(self, token_ids, keep: int = 0, row: int = 0) -> Tensor:
+        """Feed tokens to one row; float32 logits [keep or T, V]."""
+        return self.append_ragged([list(token_ids)], [row], last_only=False, keep=keep)[0]
+
+    def append_ragged(
+        self,
+        token_lists: list[list[int]],
+        rows: list[int],
+        last_only: bool = False,
+        keep: int = 0,
+    ) -> list[Tensor]:
+        """Feed row ``rows[i]`` the tokens ``token_lists[i]`` after its cached ones, all rows
+        in one ``llama_decode`` per ``DECODE_TOKENS`` tokens; return each row's float32 logits
+        [T_i, V], of its last ``keep`` tokens when keep > 0, or its last one when
+        ``last_only``. A failed decode leaves every row as it was and raises RuntimeError."""
+        counts = self._check_feed(token_lists, rows)
+        wanted = [1 if last_only else min(keep, n) if keep else n for n in counts]
+        tokens = np.fromiter((t for ids in token_lists for t in ids), np.int32, sum(counts))
+        seqs = np.repeat(np.asarray(rows, np.int32), counts)  # [N] each token's row
+        starts = np.repeat([self._lengths[r] - sum(counts[:i]) for i, r in enumerate(rows)], counts)
+        positions = (starts + np.arange(len(tokens))).astype(np.int32)  # [N] within its row
+        ends = np.cumsum(counts)
+        outputs = np.zeros(len(tokens), np.int8)  # [N] 1 where logits are wanted
+        for end, count in zip(ends, wanted, strict=True):
+            outputs[end - count : end] = 1
+        try:
+            logits = self._decode(tokens, positions, seqs, outputs)  # [sum(wanted), V]
+        except RuntimeError:
+            for row in rows:  # what earlier pieces wrote
+                _library().llama_memory_seq_rm(self._memory, row, self._lengths[row], -1)
+            raise
+        for row, count in zip(rows, counts, strict=True):
+            self._lengths[row] += count
+        return list(logits.split(wanted))
+
+    def _check_feed(self, token_lists: list[list[int]], rows: list[int]) -> list[int]:
+        """Each list's token count; ValueError for an empty list, a row given twice or out of
+        range, a token outside the vocabulary or a row fed past its context."""
+        if len(set(rows)) != len(rows) or len(rows) != len(token_lists):
+            raise ValueError(f"rows must be distinct, one per token list; got {rows}")
+        counts = [len(ids) for ids in token_lists]
+        for ids, row, count in zip(token_lists, rows, counts, strict=True):
+            if count == 0:
+                raise ValueError("append needs at least one token")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+            if self.length_of(row) + count > self._size:
+                raise ValueError(
+                    f"context overflow: {self.length_of(row)} cached + {count} new tokens "
+                    f"exceed context_length {self._size}"
+                )
+        return counts
+
+    def _decode(
+        self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, outputs: np.ndarray
+    ) -> Tensor:
+        """Decode the tokens [N] in pieces of the batch's capacity; the logits of the flagged
+        ones, in order, copied once from llama.cpp's buffer: [flagged, V]."""
+        lib = _library()
+        logits = torch.empty(int(outputs.sum()), self.vocab_size)  # [flagged, V]
+        done = 0
+        for first in range(0, len(tokens), self._batch.capacity):
+            piece = slice(first, first + self._batch.capacity)
+            batch = self._batch.fill(tokens[piece], positions[piece], seqs[piece], outputs[piece])
+            status = lib.llama_decode(self._context, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            flagged = int(outputs[piece].sum())
+            if flagged:
+                pointer = lib.llama_get_logits(self._context)
+                block = np.ctypeslib.as_array(pointer, shape=(flagged, self.vocab_size))
+                logits[done : done + flagged] = torch.from_numpy(block)  # the one copy
+                done += flagged
+        return logits
+
+    def rollback(self, length: int, row: int = 0) -> None:
+        """Keep only the first ``length`` cached tokens of ``row`` (llama_memory_seq_rm)."""
+        current = self.length_of(row)
+        if not 0 <= length <= current:
+            raise ValueError(f"rollback length must be in [0, {current}]; got {length}")
+        if length < current:
+            _library().llama_memory_seq_rm(self._memory, row, length, -1)
+            self._lengths[row] = length
+
+    def reset(self, row: int | None = None) -> None:
+        """Empty ``row`` (default: every row)."""
+        for each in range(self.slots) if row is None else [row]:
+            self.rollback(0, each)
+
+    def append_tree(
+        self, token_lists: list[list[int]], parent_lists: list[list[int]], rows: list[int]
+    ) -> list[Tensor]:
+        """Not here: the ggml backend reads no token trees."""
+        raise ValueError(_NO_TREES)
+
+    def commit_path(self, path: list[int], row: int = 0) -> None:
+        """Not here (see ``append_tree``)."""
+        raise ValueError(_NO_TREES)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: ``llama_decode`` returns when its CPU work is done."""
+
+    def _check_row(self, row: int) -> int:
+        if not 0 <= row < self.slots:
+            raise ValueError(f"row must be in [0, {self.slots}), got {row}")
+        return row
+
+
+_NO_TREES = (
+    "the ggml backend does not read token trees (append_tree, commit_path); "
+    "use verification chain or block"
+)
+
+
+class _Batch:
+    """A ``llama_batch`` over arrays of ours, refilled for every decode: up to ``capacity``
+    tokens, each of one of ``slots`` sequences."""
+
+    def __init__(self, capacity: int, slots: int) -> None:
+        lib = _library()
+        self.capacity = capacity
+        self._tokens = np.zeros(capacity, np.int32)  # [C]
+        self._positions = np.zeros(capacity, np.int32)  # [C]
+        self._one_seq = np.ones(capacity, np.int32)  # [C] each token in one sequence
+        self._seq_ids = np.arange(slots, dtype=np.int32)  # [S] the ids the pointers point at
+        base = self._seq_ids.ctypes.data
+        self._row_pointers = base + 4 * np.arange(slots, dtype=np.uintp)  # [S] &seq_ids[r]
+        self._seq_pointers = np.zeros(capacity, np.uintp)  # [C] each token's &seq_ids[row]
+        self._outputs = np.zeros(capacity, np.int8)  # [C]
+        self._struct = lib.llama_batch(
+            0,
+            self._tokens.ctypes.data_as(ctypes.POINTER(lib.llama_token)),
+            None,
+            self._positions.ctypes.data_as(ctypes.POINTER(lib.llama_pos)),
+            self._one_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            self._seq_pointers.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lib.llama_seq_id))),
+            self._outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(
+        self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, outputs: np.ndarray
+    ):
+        """The batch of these tokens [n] (n <= capacity), their positions, rows and flags."""
+        count = len(tokens)
+        self._tokens[:count] = tokens
+        self._positions[:count] = positions
+        self._seq_pointers[:count] = self._row_pointers[seqs]
+        self._outputs[:count] = outputs
+        self._struct.n_tokens = count
+        return self._struct

@@ -1,0 +1,284 @@
+"""The ggml backend: llama.cpp runs SmolLM2-135M's GGUF (Q4_1) itself, with no dense copy.
+
+Greedy AR through the engine gives llama.cpp's own greedy tokens (the binding's ``Llama``, fed
+as the engine feeds: the prompt but its last token, then one token at a time); rollback
+leaves the cache a fresh read's; a row among three others reads what it reads alone up to
+ggml's width-dependent rounding; SpS through ggml keeps the ggml verifier's law; bad input is
+one line naming the backend and what it reads, before anything loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import AR, make_tiny_lm
+from test_engine import chi_square_p_value, sampled_pairs
+
+from cactus_spec.cli import main
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
+from cactus_spec.core.spec import DecodeSpec
+from cactus_spec.loading import gguf
+from cactus_spec.loading.models import LoadedModel, load_model
+from cactus_spec.loading.options import parse_load
+from cactus_spec.runtime.engine import SpeculativeDecoder
+from cactus_spec.runtime.generation import Request
+
+MODEL = "smollm2-135m"
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France? Answer in one sentence.",
+    "List three prime numbers and explain why each is prime.",
+]
+NEW_TOKENS = 48
+GREEDY = SamplingConfig(temperature=0.0)
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    pytest.importorskip("llama_cpp", reason="the ggml backend needs llama-cpp-python (make peers)")
+    from cactus_spec.loading.fetch import fetch
+
+    return fetch(MODEL)
+
+
+@pytest.fixture(scope="module")
+def smollm(gguf_path: Path) -> LoadedModel:
+    return load_model(gguf_path, backend="ggml", threads=THREADS)
+
+
+@pytest.fixture(scope="module")
+def ar(smollm: LoadedModel) -> SpeculativeDecoder:
+    """AR through ggml, without prefix caching: every prompt is read whole, as the
+    reference reads it."""
+    return SpeculativeDecoder(smollm, None, AR, backend="ggml", prefix_cache=False)
+
+
+def _llama_cpp_greedy(llm, ids: list[int], count: int, eos: frozenset[int]) -> list[int]:
+    """llama.cpp's own greedy decoding (``Llama.generate`` at temperature 0, top-k 1), fed as
+    the engine feeds: the prompt but its last token first, then one token at a time."""
+    llm.reset()
+    llm.eval(ids[:-1])
+    tokens: list[int] = []
+    stream = llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    for token in stream:  # reuses the prompt's cached part, reads its last token alone
+        tokens.append(int(token))
+        if token in eos or len(tokens) == count:
+            break
+    stream.close()
+    return tokens
+
+
+@pytest.mark.slow
+def test_greedy_ar_gives_llama_cpps_own_greedy_tokens(
+    ar: SpeculativeDecoder, smollm: LoadedModel, gguf_path: Path
+) -> None:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=ar.context_length,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
+    runs = []
+    for text in PROMPTS:
+        ids = ar.encode(text)
+        ours = ar.generate(ids, NEW_TOKENS, temperature=0.0).token_ids
+        assert ours == _llama_cpp_greedy(llm, ids, NEW_TOKENS, smollm.eos_ids), text
+        runs.append((ids, ours))
+    # negative control: the check can fail; another prompt's tokens are not these
+    (ids, ours), (other, _) = runs[0], runs[1]
+    assert _llama_cpp_greedy(llm, other, NEW_TOKENS, smollm.eos_ids) != ours
+
+
+@pytest.mark.slow
+def test_rollback_leaves_the_cache_a_fresh_reads(smollm: LoadedModel) -> None:
+    from cactus_spec.backends.ggml import GgmlBackend
+
+    backend = GgmlBackend(smollm.model, slots=1)
+    prompt = [1, 504, 3458, 314, 253, 1345, 28, 1530, 314, 4118, 30]
+    backend.append(prompt, keep=1)
+    backend.append([216, 1054, 4591, 17], keep=0)  # drafts, then rejected
+    backend.rollback(len(prompt))
+    assert backend.length_of(0) == len(prompt)
+    after = backend.append([216], keep=1)  # [1, V]
+    backend.reset()
+    backend.append(prompt, keep=1)
+    fresh = backend.append([216], keep=1)  # [1, V] the same feeding: prompt, then one token
+    # the same cells hold the same keys at the same positions, so the logits are the same
+    assert torch.equal(after, fresh)
+    # negative control: without the rollback the drafts are still read, and the logits move
+    backend.append([1054], keep=1)
+    drifted = backend.append([216], keep=1)
+    assert (drifted - fresh).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_a_row_among_three_others_reads_what_it_reads_alone(smollm: LoadedModel) -> None:
+    from cactus_spec.backends.ggml import GgmlBackend
+
+    prompts = [
+        [1, 504, 3458, 314, 253, 1345],
+        [1, 2683],
+        [1, 330, 1345, 314, 28, 8, 19, 40],
+        [1, 9],
+    ]
+    feeds = [[216, 1054, 4591, 17, 30], [28], [19, 40, 1345], [504] * 11]
+    alone = GgmlBackend(smollm.model, slots=1)
+    alone.append(prompts[0], keep=1)
+    own = alone.append(feeds[0])  # [5, V]
+    batch = GgmlBackend(smollm.model, slots=4)
+    batch.append_ragged([prompts[0]], [0], last_only=True)
+    batch.append_ragged(prompts[1:], [1, 2, 3], last_only=True)
+    mixed = batch.append_ragged(feeds, [0, 1, 2, 3])  # 4 x [T_i, V]
+    assert [m.shape[0] for m in mixed] == [len(f) for f in feeds]
+    # llama.cpp computes the 20-token forward with other matrix-product paths than the
+    # 5-token one (measured here: logits within 0.05, argmax equal)
+    assert torch.equal(mixed[0].argmax(-1), own.argmax(-1))
+    assert (mixed[0] - own).abs().max() < 0.05
+    # negative control: another row's logits are not these
+    assert (mixed[3][:5] - own).abs().max() > 1.0
+
+
+@pytest.mark.slow
+def test_a_row_decodes_the_same_tokens_beside_three_others(smollm: LoadedModel) -> None:
+    engine = SpeculativeDecoder(smollm, None, AR, backend="ggml", max_batch=4, prefix_cache=False)
+    requests = [
+        Request(prompt_ids=engine.encode(text), max_new_tokens=24, seed=0)
+        for text in [*PROMPTS, "Tell me a joke about cats."]
+    ]
+    alone = [engine.decode_many([r], GREEDY)[0].token_ids for r in requests]
+    together = [r.token_ids for r in engine.decode_many(requests, GREEDY)]
+    assert together == alone
+    assert len({tuple(t) for t in alone}) == 4  # negative control: the rows differ
+
+
+@pytest.mark.slow
+def test_greedy_sps_with_a_ggml_draft_gives_ar_tokens(
+    ar: SpeculativeDecoder, smollm: LoadedModel
+) -> None:
+    spec = DecodeSpec.of("sps", num_draft_tokens=4)
+    sps = SpeculativeDecoder(smollm, smollm, spec, backend="ggml", prefix_cache=False)
+    for text in PROMPTS:
+        ids = ar.encode(text)
+        result = sps.generate(ids, NEW_TOKENS, temperature=0.0)
+        assert result.token_ids == ar.generate(ids, NEW_TOKENS, temperature=0.0).token_ids
+        assert result.stats.accepted > 0  # the draft's tokens were kept, not only corrected
+
+
+def _ggml_pair_law(smollm: LoadedModel, prompt: list[int], sampling) -> dict:
+    """P(t1, t2) = q(t1 | prompt) q(t2 | prompt, t1) from the ggml verifier's logits,
+    enumerating t1 over q's support."""
+    from cactus_spec.backends.ggml import GgmlBackend
+
+    backend = GgmlBackend(smollm.model, slots=1)
+    q1 = logits_to_probs(backend.append(prompt, keep=1)[0], sampling)
+    law = {}
+    for t1 in q1.nonzero().flatten().tolist():
+        backend.rollback(len(prompt))
+        q2 = logits_to_probs(backend.append([t1], keep=1)[0], sampling)
+        for t2 in q2.nonzero().flatten().tolist():
+            law[(t1, t2)] = float(q1[t1] * q2[t2])
+    return law
+
+
+@pytest.mark.slow
+def test_sps_through_ggml_emits_the_ggml_verifiers_law_and_rejects_cactus(
+    smollm: LoadedModel,
+) -> None:
+    sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
+    prompt = [19, 28, 20, 28, 21, 28, 19, 28, 20, 28, 21, 28, 19, 28]  # the n-gram drafter drafts
+    runs = 600
+
+    def engine(method: str, **params) -> SpeculativeDecoder:
+        spec = DecodeSpec.of(method, num_draft_tokens=2, drafter="ngram", **params)
+        return SpeculativeDecoder(smollm, None, spec, backend="ggml")
+
+    sps, cactus = engine("sps"), engine("cactus", delta=5.0)
+    law = _ggml_pair_law(smollm, prompt, sampling)
+    assert chi_square_p_value(sampled_pairs(sps, prompt, runs, sampling), law, runs) > 1e-3
+    negative = chi_square_p_value(sampled_pairs(cactus, prompt, runs, sampling), law, runs)
+    assert negative < 1e-6  # negative control: the same test can fail
+
+
+@pytest.mark.slow
+def test_trees_are_refused_by_name(smollm: LoadedModel) -> None:
+    spec = DecodeSpec.of("sps", num_draft_tokens=2, verification="tree", branches=2)
+    with pytest.raises(ValueError, match="token-tree attention, which the verifier's backend"):
+        SpeculativeDecoder(smollm, smollm, spec, backend="ggml")
+    from cactus_spec.backends.ggml import GgmlBackend
+
+    with pytest.raises(ValueError, match="the ggml backend does not read token trees"):
+        GgmlBackend(smollm.model, slots=1).append_tree([[5]], [[-1]], [0])  # type: ignore[arg-type]
+
+
+# --- bad input: one line naming the backend, before anything loads ------------------------
+
+
+@pytest.fixture
+def installed(monkeypatch) -> None:
+    """As if llama-cpp-python were installed: these checks run before it is ever imported."""
+    monkeypatch.setattr(gguf, "available", lambda: True)
+
+
+def _ggml(**given) -> object:
+    return parse_load({"backend": "ggml", "verifier": MODEL, **given}, needs_draft=False)
+
+
+def test_a_missing_library_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(gguf, "available", lambda: False)
+    with pytest.raises(ValueError, match=r"^backend ggml needs llama-cpp-python; pip install"):
+        _ggml()
+
+
+@pytest.mark.usefixtures("installed")
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"verifier_quant": "int8"}, "verifier_quant int8 does not apply to backend ggml"),
+        ({"dtype": "bfloat16"}, "dtype bfloat16 does not apply to backend ggml"),
+        ({"verifier": "Org/model"}, "verifier 'Org/model' is neither a known model nor a file"),
+        ({"verifier": make_tiny_lm()}, "verifier is a transformers model already loaded"),
+    ],
+)
+def test_options_ggml_cannot_honour_are_refused_by_name(given: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _ggml(**given)
+
+
+@pytest.mark.usefixtures("installed")
+def test_draft_options_are_refused_by_name_and_auto_reads_none() -> None:
+    draft = {"backend": "ggml", "verifier": MODEL, "draft": MODEL}
+    options = parse_load(draft | {"verifier_quant": "auto"}, needs_draft=True)
+    assert (options.verifier_quant, options.draft_quant) == ("none", "none")
+    with pytest.raises(ValueError, match="draft_quant int4 does not apply to backend ggml"):
+        parse_load(draft | {"draft_quant": "int4"}, needs_draft=True)
+    with pytest.raises(ValueError, match="draft_vocab 100 does not apply to backend ggml"):
+        parse_load(draft | {"draft_vocab": 100}, needs_draft=True)
+
+
+@pytest.mark.usefixtures("installed")
+def test_a_folder_without_a_gguf_is_refused_on_the_command_line(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["generate", "hi", "--backend", "ggml", "--verifier", str(tmp_path), "--method", "ar"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --backend ggml reads a GGUF file") and "\n" not in err
+    assert f"--verifier '{tmp_path}' is a directory without a GGUF file" in err
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert main(argv) == 2
+    assert "name its GGUF file (m.gguf)" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("installed")
+def test_trees_and_a_bad_backend_are_refused_on_the_command_line(capsys) -> None:
+    argv = ["generate", "hi", "--backend", "ggml", "--verifier", MODEL, "--draft", MODEL]
+    assert main([*argv, "--verification", "tree"]) == 2
+    assert "--backend ggml lacks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--backend", "gml"])
+    assert "invalid choice: 'gml'" in capsys.readouterr().err
