@@ -2,9 +2,10 @@
 
 Greedy AR through the engine gives llama.cpp's own greedy tokens (the binding's ``Llama``, fed
 as the engine feeds: the prompt but its last token, then one token at a time); rollback
-leaves the cache a fresh read's; a row among three others reads what it reads alone up to
-ggml's width-dependent rounding; SpS through ggml keeps the ggml verifier's law; bad input is
-one line naming the backend and what it reads, before anything loads.
+leaves the cache a fresh read's; a row among three others reads the bits it reads alone and
+decodes the tokens it decodes alone; greedy SpS with a ggml draft gives AR's tokens; SpS
+through ggml keeps the ggml verifier's law; bad input is one line naming the backend and
+what it reads, before anything loads.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def test_greedy_ar_gives_llama_cpps_own_greedy_tokens(
         n_ctx=ar.context_length,
         n_threads=THREADS,
         n_threads_batch=THREADS,
+        flash_attn=True,  # as the backend (the binding's default is off)
         verbose=False,
     )
     runs = []
@@ -93,6 +95,7 @@ def test_greedy_ar_gives_llama_cpps_own_greedy_tokens(
     # negative control: the check can fail; another prompt's tokens are not these
     (ids, ours), (other, _) = runs[0], runs[1]
     assert _llama_cpp_greedy(llm, other, NEW_TOKENS, smollm.eos_ids) != ours
+    llm.close()
 
 
 @pytest.mark.slow
@@ -121,27 +124,22 @@ def test_rollback_leaves_the_cache_a_fresh_reads(smollm: LoadedModel) -> None:
 def test_a_row_among_three_others_reads_what_it_reads_alone(smollm: LoadedModel) -> None:
     from cactus_spec.backends.ggml import GgmlBackend
 
-    prompts = [
-        [1, 504, 3458, 314, 253, 1345],
-        [1, 2683],
-        [1, 330, 1345, 314, 28, 8, 19, 40],
-        [1, 9],
-    ]
+    prompts = [[1, 504, 3458, 314, 253, 1345], [1, 2683], [1, 330, 1345, 314, 28, 8, 19], [1, 9]]
     feeds = [[216, 1054, 4591, 17, 30], [28], [19, 40, 1345], [504] * 11]
     alone = GgmlBackend(smollm.model, slots=1)
     alone.append(prompts[0], keep=1)
     own = alone.append(feeds[0])  # [5, V]
     batch = GgmlBackend(smollm.model, slots=4)
-    batch.append_ragged([prompts[0]], [0], last_only=True)
-    batch.append_ragged(prompts[1:], [1, 2, 3], last_only=True)
-    mixed = batch.append_ragged(feeds, [0, 1, 2, 3])  # 4 x [T_i, V]
-    assert [m.shape[0] for m in mixed] == [len(f) for f in feeds]
-    # llama.cpp computes the 20-token forward with other matrix-product paths than the
-    # 5-token one (measured here: logits within 0.05, argmax equal)
-    assert torch.equal(mixed[0].argmax(-1), own.argmax(-1))
-    assert (mixed[0] - own).abs().max() < 0.05
+    rows = [2, 0, 3, 1]  # the caller's order, not the ids'
+    batch.append_ragged([prompts[r] for r in rows], rows, last_only=True)
+    mixed = batch.append_ragged([feeds[r] for r in rows], rows)  # 4 x [T_i, V]
+    assert [m.shape[0] for m in mixed] == [len(feeds[r]) for r in rows]
+    lengths = [len(p) + len(f) for p, f in zip(prompts, feeds, strict=True)]
+    assert [batch.length_of(r) for r in range(4)] == lengths
+    # each row has a KV stream of its own: its logits are the bits it reads alone
+    assert torch.equal(mixed[1], own)
     # negative control: another row's logits are not these
-    assert (mixed[3][:5] - own).abs().max() > 1.0
+    assert (mixed[2][:5] - own).abs().max() > 1.0
 
 
 @pytest.mark.slow
@@ -192,7 +190,7 @@ def test_sps_through_ggml_emits_the_ggml_verifiers_law_and_rejects_cactus(
 ) -> None:
     sampling = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)
     prompt = [19, 28, 20, 28, 21, 28, 19, 28, 20, 28, 21, 28, 19, 28]  # the n-gram drafter drafts
-    runs = 600
+    runs = 300
 
     def engine(method: str, **params) -> SpeculativeDecoder:
         spec = DecodeSpec.of(method, num_draft_tokens=2, drafter="ngram", **params)
@@ -207,13 +205,28 @@ def test_sps_through_ggml_emits_the_ggml_verifiers_law_and_rejects_cactus(
 
 @pytest.mark.slow
 def test_trees_are_refused_by_name(smollm: LoadedModel) -> None:
+    engine = SpeculativeDecoder(smollm, smollm, DecodeSpec.of("sps"), backend="ggml")
     spec = DecodeSpec.of("sps", num_draft_tokens=2, verification="tree", branches=2)
     with pytest.raises(ValueError, match="token-tree attention, which the verifier's backend"):
-        SpeculativeDecoder(smollm, smollm, spec, backend="ggml")
+        engine.generate([1, 504, 3458], 4, spec=spec)
     from cactus_spec.backends.ggml import GgmlBackend
 
     with pytest.raises(ValueError, match="the ggml backend does not read token trees"):
-        GgmlBackend(smollm.model, slots=1).append_tree([[5]], [[-1]], [0])  # type: ignore[arg-type]
+        GgmlBackend(smollm.model, slots=1).append_tree([[5]], [[-1]], [0])
+
+
+@pytest.mark.slow
+def test_the_server_answers_as_offline_generate(smollm: LoadedModel) -> None:
+    from test_server import Served, complete, decoder_for
+
+    served = Served(smollm, "ngram")  # the engine's backend auto runs a GGUF loaded for ggml
+    try:
+        offline = decoder_for(smollm, "ngram")
+        text = complete(served, PROMPTS[0], seed=7).choices[0].text
+        assert text == offline.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 7, chat=False).text
+        assert text != complete(served, PROMPTS[0], seed=8).choices[0].text  # negative control
+    finally:
+        served.close()
 
 
 # --- bad input: one line naming the backend, before anything loads ------------------------

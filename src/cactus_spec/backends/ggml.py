@@ -2,22 +2,27 @@
 
 Through llama-cpp-python's low-level API (``llama_cpp.llama_cpp``, pinned in the ``peers``
 extra). ``GgufModel`` is the file loaded once (weights mapped as stored, Q4_K_M blocks and
-all); ``GgmlBackend`` is one llama_context over it holding every row: row r is sequence id r
-of a unified KV cache of ``slots * context_length`` cells, each row holding at most
-``context_length`` tokens. A call feeds all its rows' tokens in one ``llama_decode`` (several
-when they pass the context's ``n_batch``), the output flag set only on the positions whose
-logits are wanted, and copies those logits once into one float32 tensor. Rollback and reset
-are ``llama_memory_seq_rm``. No token trees (``reads_trees = False``).
+all); ``GgmlBackend`` is one llama_context over it holding every row: row r is sequence id r,
+with a stream of the KV cache of its own (``context_length`` cells). A call feeds all its
+rows' tokens in one ``llama_decode`` (several when they pass the context's ``n_batch``), the
+output flag set only on the positions whose logits are wanted, and copies those logits once
+into one float32 tensor. Rollback and reset are ``llama_memory_seq_rm``. No token trees
+(``reads_trees = False``).
 
-llama.cpp's logits depend on how many tokens a forward reads (ggml picks its matrix-product
-path by width), so the same row fed in another batch shape agrees up to rounding, not bits.
+A row's logits are bit for bit those it gets alone, whatever its neighbours (the tests check
+it on SmolLM2, Q4_1: llama.cpp's products gave each token the same bits at widths 1 to 40,
+and a stream per row gives its attention the same cells). One KV cache shared by the rows
+(``kv_unified``) moved a row's logits by up to 1.8 beside three others, and read the same
+sequence differently in two of four rows (by 0.79), so greedy tokens flipped. The price:
+llama.cpp splits a batch into ubatches of as many tokens from each row, over rows of
+consecutive ids, so rows fed different counts, or of ids apart, take a forward each.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
-import logging
+import sys
 import weakref
 from functools import cache
 from pathlib import Path
@@ -47,9 +52,27 @@ def _library() -> ModuleType:
     """llama.cpp's low-level API, its backend initialised once, its log held to errors."""
     from llama_cpp import llama_cpp as lib
 
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # the binding's log callback
+    lib.llama_log_set(_errors_only(lib), None)
     lib.llama_backend_init()
     return lib
+
+
+#: GGML_LOG_LEVEL_ERROR in the pinned llama.cpp's ggml.h (the binding's own log callback
+#: reads the older numbering, in which this is DEBUG and a warning is an error).
+_LOG_ERROR = 4
+
+
+@cache
+def _errors_only(lib: ModuleType):
+    """A log callback writing llama.cpp's errors to stderr (cached: llama.cpp keeps the
+    pointer, so the function must live as long as the process)."""
+
+    @lib.llama_log_callback
+    def log(level: int, text: bytes, _user_data: object) -> None:
+        if level == _LOG_ERROR:
+            sys.stderr.write(text.decode(errors="replace"))
+
+    return log
 
 
 class GgufModel:
@@ -71,9 +94,8 @@ class GgufModel:
         vocab = lib.llama_model_get_vocab(handle)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self.max_positions = int(lib.llama_model_n_ctx_train(handle))
-        self.eos_ids = frozenset(
-            int(t) for t in (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)) if t >= 0
-        )
+        eos = int(lib.llama_vocab_eos(vocab))
+        self.eos_ids = frozenset([eos] if eos >= 0 else [])
         weakref.finalize(self, lib.llama_model_free, handle)
 
 
@@ -94,7 +116,8 @@ class GgmlBackend:
         params.n_batch = DECODE_TOKENS
         params.n_seq_max = slots
         params.n_threads = params.n_threads_batch = model.threads
-        params.kv_unified = True
+        params.kv_unified = False  # a stream per row: see the module's docstring
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED  # what auto picks on a CPU
         params.no_perf = True
         context = lib.llama_init_from_model(model.handle, params)
         if not context:
@@ -131,7 +154,8 @@ class GgmlBackend:
 
     def append(self, token_ids, keep: int = 0, row: int = 0) -> Tensor:
         """Feed tokens to one row; float32 logits [keep or T, V]."""
-        return self.append_ragged([list(token_ids)], [row], last_only=False, keep=keep)[0]
+        ids = torch.as_tensor(token_ids).tolist()
+        return self.append_ragged([ids], [row], last_only=False, keep=keep)[0]
 
     def append_ragged(
         self,
@@ -146,23 +170,37 @@ class GgmlBackend:
         ``last_only``. A failed decode leaves every row as it was and raises RuntimeError."""
         counts = self._check_feed(token_lists, rows)
         wanted = [1 if last_only else min(keep, n) if keep else n for n in counts]
-        tokens = np.fromiter((t for ids in token_lists for t in ids), np.int32, sum(counts))
-        seqs = np.repeat(np.asarray(rows, np.int32), counts)  # [N] each token's row
-        starts = np.repeat([self._lengths[r] - sum(counts[:i]) for i, r in enumerate(rows)], counts)
-        positions = (starts + np.arange(len(tokens))).astype(np.int32)  # [N] within its row
-        ends = np.cumsum(counts)
-        outputs = np.zeros(len(tokens), np.int8)  # [N] 1 where logits are wanted
-        for end, count in zip(ends, wanted, strict=True):
-            outputs[end - count : end] = 1
+        order = sorted(range(len(rows)), key=rows.__getitem__)  # rows by id: see _layout
         try:
-            logits = self._decode(tokens, positions, seqs, outputs)  # [sum(wanted), V]
+            logits = self._decode(*self._layout(token_lists, rows, wanted, order))  # [W, V]
         except RuntimeError:
             for row in rows:  # what earlier pieces wrote
                 _library().llama_memory_seq_rm(self._memory, row, self._lengths[row], -1)
             raise
         for row, count in zip(rows, counts, strict=True):
             self._lengths[row] += count
-        return list(logits.split(wanted))
+        out: list[Tensor] = [logits] * len(rows)
+        for i, part in zip(order, logits.split([wanted[i] for i in order]), strict=True):
+            out[i] = part
+        return out
+
+    def _layout(
+        self, token_lists: list[list[int]], rows: list[int], wanted: list[int], order: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The batch's tokens [N], their positions in their rows, their rows and their output
+        flags (1 on each row's last ``wanted``), the rows in ``order``: by id, since llama.cpp
+        puts only rows of consecutive ids in one ubatch."""
+        lists = [token_lists[i] for i in order]
+        counts = [len(ids) for ids in lists]
+        tokens = np.fromiter((t for ids in lists for t in ids), np.int32, sum(counts))  # [N]
+        seqs = np.repeat(np.asarray([rows[i] for i in order], np.int32), counts)  # [N]
+        firsts = np.cumsum([0, *counts[:-1]])  # [R] where each row's tokens start in the batch
+        lengths = np.asarray([self._lengths[rows[i]] for i in order])  # [R]
+        positions = np.arange(len(tokens)) + np.repeat(lengths - firsts, counts)  # [N]
+        outputs = np.zeros(len(tokens), np.int8)  # [N]
+        for first, count, i in zip(firsts, counts, order, strict=True):
+            outputs[first + count - wanted[i] : first + count] = 1
+        return tokens, positions.astype(np.int32), seqs, outputs
 
     def _check_feed(self, token_lists: list[list[int]], rows: list[int]) -> list[int]:
         """Each list's token count; ValueError for an empty list, a row given twice or out of
@@ -210,7 +248,11 @@ class GgmlBackend:
         if not 0 <= length <= current:
             raise ValueError(f"rollback length must be in [0, {current}]; got {length}")
         if length < current:
-            _library().llama_memory_seq_rm(self._memory, row, length, -1)
+            if not _library().llama_memory_seq_rm(self._memory, row, length, -1):
+                raise ValueError(
+                    f"backend ggml cannot roll back {self.model.path}'s cache to {length} "
+                    "tokens (llama.cpp keeps whole sequences only for this architecture)"
+                )
             self._lengths[row] = length
 
     def reset(self, row: int | None = None) -> None:

@@ -115,11 +115,13 @@ class ServeOptions:
 
     def describe(self) -> str:
         """What is served: the models and their weights, the drafting, the rows and the CPU."""
+        models, spec = self.models, self.spec
 
         def weights(quant: str) -> str:
+            if models.backend == "ggml":
+                return "the GGUF's own, llama.cpp"
             return "dense" if quant == "none" else quant
 
-        models, spec = self.models, self.spec
         draft = f"{models.draft} ({weights(models.draft_quant)})" if models.draft else "none"
         drafting = f"drafter {spec.drafter}, policy {self.policy}" if spec.drafts else "no drafting"
         return (
