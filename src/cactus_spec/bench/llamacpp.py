@@ -63,6 +63,7 @@ class LlamaCppPeers:
             draft = None
             if config.method == "llamacpp_lookup":
                 lookahead = dict(config.params)["num_pred_tokens"]
+                assert isinstance(lookahead, int)  # the grid reads it as a count
                 draft = LlamaPromptLookupDecoding(num_pred_tokens=lookahead)
             self._models[config.id] = Llama(
                 model_path=str(self.gguf),
