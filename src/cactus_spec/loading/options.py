@@ -119,11 +119,14 @@ def parse_load(
         backend=backend,
     )
     if backend == "ggml":
-        ours: dict[str, object] = {
-            "verifier_quant": "none" if verifier_quant == "auto" else verifier_quant
+        asked = {  # auto, or nothing given, leaves the GGUF's own weights
+            "verifier_quant": None if verifier_quant == "auto" else verifier_quant,
+            "draft_quant": given.get("draft_quant"),
+            "draft_vocab": options.draft_vocab,
+            "dtype": dtype,
+            "device": device,
         }
-        ours |= {"draft_quant": given.get("draft_quant"), "draft_vocab": options.draft_vocab}
-        check_ggml(ours | {"dtype": dtype, "device": device}, label)
+        check_ggml(asked, label)
         for key in ("verifier", "draft"):
             _check_gguf_model(label(key), getattr(options, key), f"{label('backend')} ggml")
     return options
