@@ -83,7 +83,7 @@ void dot_rows(const uint16_t* rows, int count, int64_t k2, const uint16_t* strip
 Bf16Rows bf16_rows(const float* x, int64_t m, int64_t k, int64_t k2) {
   const int64_t tiles = (m + tile_rows(m) - 1) / tile_rows(m);
   Bf16Rows rows{std::vector<uint16_t>(tiles * tile_rows(m) * k2, 0), m, k2};
-  for_rows(m, [&](int64_t r) {
+  for_rows(m, k, [&](int64_t r) {
     for (int64_t i = 0; i < k; ++i) rows.x[r * k2 + i] = c10::BFloat16(x[r * k + i]).x;
   });
   return rows;

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -31,7 +32,7 @@ namespace {
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, rows of length e.
 void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float eps, float* out) {
-  for_rows(m, [&](int64_t r) {
+  for_rows(m, e, [&](int64_t r) {
     const float* row = x + r * e;
     float squares = 0.0f;
     for (int64_t i = 0; i < e; ++i) squares += row[i] * row[i];
@@ -39,6 +40,9 @@ void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float e
     for (int64_t i = 0; i < e; ++i) out[r * e + i] = weight[i] * (row[i] * inv);
   });
 }
+
+// n floats left uninitialised: a block's buffers, each written whole before it is read.
+std::unique_ptr<float[]> scratch(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
 // Rotary embedding in place on `heads` heads of size d: x cos + (-x2, x1) sin.
 void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
@@ -436,34 +440,35 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   const float* in = input.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
 
-  std::vector<float> normed(m * e), q(m * heads * d), k(m * kv_heads * d), v(m * kv_heads * d);
-  rms_norm(in, m, e, params[0].data_ptr<float>(), epsilon, normed.data());
-  auto rows_in = Kernel::input(normed.data(), m, e, w[kQ]);
-  Kernel::products(rows_in, w[kQ], q.data());
-  Kernel::products(rows_in, w[kK], k.data());
-  Kernel::products(rows_in, w[kV], v.data());
-  std::vector<float> attended(m * heads * d);
-  attention(tokens, q.data(), k.data(), v.data(), cos, sin, keys, values, attended.data());
+  const auto normed = scratch(m * e), q = scratch(m * heads * d), k = scratch(m * kv_heads * d),
+             v = scratch(m * kv_heads * d), attended = scratch(m * heads * d);
+  rms_norm(in, m, e, params[0].data_ptr<float>(), epsilon, normed.get());
+  auto rows_in = Kernel::input(normed.get(), m, e, w[kQ]);
+  Kernel::products(rows_in, w[kQ], q.get());
+  Kernel::products(rows_in, w[kK], k.get());
+  Kernel::products(rows_in, w[kV], v.get());
+  attention(tokens, q.get(), k.get(), v.get(), cos, sin, keys, values, attended.get());
 
-  std::vector<float> hidden(m * e), gate(m * inner), up(m * inner), down(m * e);
-  Kernel::products(Kernel::input(attended.data(), m, heads * d, w[kO]), w[kO], hidden.data());
-  for_rows(m, [&](int64_t r) {
+  const auto hidden = scratch(m * e), gate = scratch(m * inner), up = scratch(m * inner),
+             down = scratch(m * e);
+  Kernel::products(Kernel::input(attended.get(), m, heads * d, w[kO]), w[kO], hidden.get());
+  for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += in[i];
   });
-  rms_norm(hidden.data(), m, e, params[1].data_ptr<float>(), epsilon, normed.data());
-  rows_in = Kernel::input(normed.data(), m, e, w[kGate]);
-  Kernel::products(rows_in, w[kGate], gate.data());
-  Kernel::products(rows_in, w[kUp], up.data());
-  for_rows(m, [&](int64_t r) {
+  rms_norm(hidden.get(), m, e, params[1].data_ptr<float>(), epsilon, normed.get());
+  rows_in = Kernel::input(normed.get(), m, e, w[kGate]);
+  Kernel::products(rows_in, w[kGate], gate.get());
+  Kernel::products(rows_in, w[kUp], up.get());
+  for_rows(m, inner, [&](int64_t r) {
     for (int64_t i = r * inner; i < (r + 1) * inner; ++i) {
       gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
   });
-  Kernel::products(Kernel::input(gate.data(), m, inner, w[kDown]), w[kDown], down.data());
-  for_rows(m, [&](int64_t r) {
+  Kernel::products(Kernel::input(gate.get(), m, inner, w[kDown]), w[kDown], down.get());
+  for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += down[i];
   });
-  return torch::from_blob(hidden.data(), x.sizes(), torch::kFloat).to(x.scalar_type(), false, true);
+  return torch::from_blob(hidden.get(), x.sizes(), torch::kFloat).to(x.scalar_type(), false, true);
 }
 
 }  // namespace

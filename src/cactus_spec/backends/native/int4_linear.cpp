@@ -229,7 +229,7 @@ SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
   const int64_t k4 = padded_k(k), groups = k4 / kGroup;
   SignedRows rows{std::vector<int8_t>(m * k4, 0), std::vector<float>(m),
                   std::vector<int32_t>(m * groups, 0), k4};
-  for_rows(m, [&](int64_t r) {
+  for_rows(m, k, [&](int64_t r) {
     const float* row = x + r * k;
     float top = 0.0f;
     for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(row[i]));

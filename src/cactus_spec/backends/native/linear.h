@@ -8,17 +8,20 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "simd.h"
 
-// each(r) for r in [0, m), rows split among torch's threads where there are enough of them to
-// pay for it (a prompt's chunk), on the calling thread otherwise (a decode step's few rows).
+// each(r) for r in [0, m), rows of `width` elements split among torch's threads where each
+// thread gets enough elements to pay for waking it (a verification's 11 rows of 1,536; a
+// prompt's chunk), on the calling thread otherwise (a decode step's one row).
 template <class F>
-void for_rows(int64_t m, const F& each) {
-  constexpr int64_t kRowsPerThread = 16;
-  at::parallel_for(0, m, kRowsPerThread, [&](int64_t begin, int64_t end) {
+void for_rows(int64_t m, int64_t width, const F& each) {
+  constexpr int64_t kElementsPerThread = 8192;
+  const int64_t rows_per_thread = std::max<int64_t>(1, kElementsPerThread / std::max<int64_t>(1, width));
+  at::parallel_for(0, m, rows_per_thread, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) each(r);
   });
 }
