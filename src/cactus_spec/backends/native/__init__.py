@@ -65,7 +65,7 @@ _SOURCE_NAMES = (
     "amx.cpp", "int8_linear.cpp", "int4_linear.cpp", "bf16_linear.cpp", "block.cpp", "bindings.cpp",
 )  # fmt: skip
 SOURCES = tuple(_HERE / name for name in _SOURCE_NAMES)
-HEADERS = tuple(_HERE / name for name in ("simd.h", "amx.h", "linear.h", "block.h"))
+HEADERS = tuple(_HERE / name for name in ("simd.h", "lanes.h", "amx.h", "linear.h", "block.h"))
 #: -fopenmp: at::parallel_for runs on torch's own OpenMP runtime (the same libgomp, loaded
 #: once); -ffp-contract=off: each float operation rounds as written (no fused multiply-adds);
 #: the target is the level ``isa`` holds this process to (the CPU's own: -march=native).

@@ -15,6 +15,7 @@
 // over a stripe, the weight prefetched into L2 ahead (as int4_linear.cpp). has_bf16() says
 // whether either path is there; else callers use oneDNN.
 
+#include "lanes.h"
 #include "linear.h"
 
 #include <ATen/Parallel.h>
@@ -28,7 +29,6 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;                  // outputs per 64-byte packed group
 constexpr int kBlocks = 4;                      // tiles of 16 outputs per stripe
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padded to it)
 constexpr int64_t kKStep = 32;                  // inputs per tile (K is padded to it)

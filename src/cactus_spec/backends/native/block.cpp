@@ -17,6 +17,7 @@
 
 #include "block.h"
 
+#include "lanes.h"
 #include "linear.h"
 
 #include <ATen/Parallel.h>
@@ -166,14 +167,6 @@ struct Query {
   int64_t visible;
   const bool* shown;
 };
-
-// 16 floats as one value: one vector register where the CPU has 512-bit ones, two of 256
-// bits on AVX2, plain floats elsewhere (GCC's and Clang's vector extension); loaded from and
-// stored to any float address.
-typedef float Lanes __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kLanes = 16;
-inline Lanes load_lanes(const float* at) { return *reinterpret_cast<const Lanes*>(at); }
-inline void store_lanes(float* at, Lanes v) { *reinterpret_cast<Lanes*>(at) = v; }
 
 // Queries scored at once against a block of kLanes keys (their sums side by side, so no sum
 // waits on the one before it), and keys whose values every query adds up before the next

@@ -18,6 +18,7 @@
 // then 64 float16 low (held as int16 bits). A row takes the same steps whatever the other
 // rows, so it gives the same bits alone as in any block.
 
+#include "lanes.h"
 #include "linear.h"
 
 #include <ATen/Parallel.h>
@@ -29,7 +30,6 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;                  // outputs per vector
 constexpr int kBlocks = 4;                      // vectors of outputs per stripe
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per stripe (N is padded to it)
 constexpr int64_t kGroup = 64;                  // inputs per group (K is padded to it)
@@ -224,6 +224,43 @@ std::vector<torch::Tensor> pack_int4(const torch::Tensor& codes, const torch::Te
   return {packed.contiguous(), scales.view(torch::kShort)};
 }
 
+namespace {
+
+// The largest |x| of a row's k values (0 for none above it; max is exact in any order).
+float largest_magnitude(const float* row, int64_t k) {
+  float top = 0.0f;
+  int64_t i = 0;
+  Lanes tops = Lanes{};
+  for (; i + kLanes <= k; i += kLanes) {
+    const Lanes v = load_lanes(row + i);
+    const Lanes magnitude = v < 0.0f ? -v : v;
+    tops = magnitude > tops ? magnitude : tops;
+  }
+  for (int j = 0; j < kLanes; ++j) top = std::max(top, tops[j]);
+  for (; i < k; ++i) top = std::max(top, std::fabs(row[i]));
+  return top;
+}
+
+// out[i] = min(127, max(-127, nearbyint(row[i] * inv))). In lanes, a + 1.5 * 2^23 - 1.5 * 2^23
+// is a rounded to the nearest integer, ties to even, as nearbyint rounds, for |a| < 2^22.
+void signed_codes(const float* row, int64_t k, float inv, int8_t* out) {
+  const Lanes shift = Lanes{} + 12582912.0f, lowest = Lanes{} - 127.0f, highest = Lanes{} + 127.0f;
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    Lanes code = (load_lanes(row + i) * inv + shift) - shift;
+    code = lowest < code ? code : lowest;  // std::max(-127, code), a NaN included
+    code = code < highest ? code : highest;
+    const IntLanes whole = __builtin_convertvector(code, IntLanes);
+    const SignedByteLanes bytes = __builtin_convertvector(whole, SignedByteLanes);
+    std::memcpy(out + i, &bytes, sizeof bytes);
+  }
+  for (; i < k; ++i) {
+    out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] * inv))));
+  }
+}
+
+}  // namespace
+
 // Each row of x [M, K] to int8 codes on its own symmetric range, with its groups' code sums.
 SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
   const int64_t k4 = padded_k(k), groups = k4 / kGroup;
@@ -231,15 +268,14 @@ SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
                   std::vector<int32_t>(m * groups, 0), k4};
   for_rows(m, k, [&](int64_t r) {
     const float* row = x + r * k;
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(row[i]));
+    const float top = largest_magnitude(row, k);
     const float step = top > 0.0f ? top / 127.0f : 1.0f;
-    const float inv = 1.0f / step;
     int8_t* out = rows.v.data() + r * k4;
-    for (int64_t i = 0; i < k; ++i) {
-      const float code = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[i] * inv)));
-      out[i] = static_cast<int8_t>(code);
-      rows.sums[r * groups + i / kGroup] += out[i];
+    signed_codes(row, k, 1.0f / step, out);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) sum += out[i];
+      rows.sums[r * groups + g] = sum;
     }
     rows.step[r] = step;
   });

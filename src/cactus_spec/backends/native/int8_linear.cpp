@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "amx.h"
+#include "lanes.h"
 
 namespace {
 
@@ -45,7 +46,6 @@ constexpr bool kCentredDots = false;
 
 namespace {
 
-constexpr int64_t kLanes = 16;                // outputs per 64-byte packed group
 constexpr int kBlocks = 4;                    // packed groups of outputs per tile
 constexpr int64_t kOutTile = kLanes * kBlocks;  // outputs per tile (N is padded to it)
 constexpr int64_t kKStep = 64;                // inputs per AMX tile (K is padded to it)
@@ -181,31 +181,18 @@ void dot_rows(const uint8_t* u, int rows, int64_t k4, const int8_t* tile,
 
 int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
 
-// Sixteen lanes of floats, int32 and bytes (GCC/Clang's vector extension: one register on
-// AVX512, two on AVX2, plain scalars elsewhere), for the rows' quantisation.
-constexpr int64_t kWide = 16;
-typedef float Floats __attribute__((vector_size(4 * kWide)));
-typedef int32_t Ints __attribute__((vector_size(4 * kWide)));
-typedef uint8_t Bytes __attribute__((vector_size(kWide)));
-
-Floats wide(const float* x) {
-  Floats v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
-
 // The lowest and the highest of a row's k values (min and max are exact: any order gives them).
 std::pair<float, float> row_range(const float* row, int64_t k) {
   float low = row[0], high = row[0];
   int64_t i = 0;
-  if (k >= kWide) {
-    Floats lows = wide(row), highs = lows;
-    for (i = kWide; i + kWide <= k; i += kWide) {
-      const Floats v = wide(row + i);
+  if (k >= kLanes) {
+    Lanes lows = load_lanes(row), highs = lows;
+    for (i = kLanes; i + kLanes <= k; i += kLanes) {
+      const Lanes v = load_lanes(row + i);
       lows = v < lows ? v : lows;
       highs = v > highs ? v : highs;
     }
-    for (int j = 0; j < kWide; ++j) {
+    for (int j = 0; j < kLanes; ++j) {
       low = std::min(low, lows[j]);
       high = std::max(high, highs[j]);
     }
@@ -219,12 +206,13 @@ std::pair<float, float> row_range(const float* row, int64_t k) {
 
 // out[i] = min(255, (row[i] - low) * inv + 0.5) truncated: the code of the nearest step.
 void row_codes(const float* row, int64_t k, float low, float inv, uint8_t* out) {
-  const Floats top = Floats{} + 255.0f;
+  const Lanes top = Lanes{} + 255.0f;
   int64_t i = 0;
-  for (; i + kWide <= k; i += kWide) {
-    Floats code = (wide(row + i) - low) * inv + 0.5f;
+  for (; i + kLanes <= k; i += kLanes) {
+    Lanes code = (load_lanes(row + i) - low) * inv + 0.5f;
     code = code < top ? code : top;
-    const Bytes bytes = __builtin_convertvector(__builtin_convertvector(code, Ints), Bytes);
+    const IntLanes whole = __builtin_convertvector(code, IntLanes);  // truncated, as a cast
+    const ByteLanes bytes = __builtin_convertvector(whole, ByteLanes);
     std::memcpy(out + i, &bytes, sizeof bytes);
   }
   for (; i < k; ++i) out[i] = static_cast<uint8_t>(std::min(255.0f, (row[i] - low) * inv + 0.5f));

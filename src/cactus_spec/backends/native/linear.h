@@ -20,7 +20,8 @@
 template <class F>
 void for_rows(int64_t m, int64_t width, const F& each) {
   constexpr int64_t kElementsPerThread = 8192;
-  const int64_t rows_per_thread = std::max<int64_t>(1, kElementsPerThread / std::max<int64_t>(1, width));
+  const int64_t rows_per_thread =
+      std::max<int64_t>(1, kElementsPerThread / std::max<int64_t>(1, width));
   at::parallel_for(0, m, rows_per_thread, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) each(r);
   });
