@@ -36,7 +36,7 @@ from cactus_spec.backends.lean import DEFAULT_CONTEXT
 
 __all__ = ["INSTALL_HINT", "GgmlBackend", "GgufModel", "available"]
 
-INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~5 minutes)"
+INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~7 minutes)"
 
 #: Most tokens one ``llama_decode`` reads (the context's n_batch; n_ubatch is llama.cpp's).
 DECODE_TOKENS = 2048

@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from cactus_spec.backends.ggml import INSTALL_HINT
 from cactus_spec.bench.grid import Config
 from cactus_spec.bench.peers import PeerResult
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.loading.models import LoadedModel
 
 METHODS = ("llamacpp", "llamacpp_lookup")
-INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~5 minutes)"
 
 
 def missing_reason() -> str | None:
