@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,15 @@ from cactus_spec.loading.models import LoadedModel, load_model
 
 #: Autoregressive decoding: the verifier alone.
 AR = DecodeSpec.of("ar")
+
+
+def need_llama_cpp() -> None:
+    """Skip the calling test unless llama-cpp-python (the ggml backend's library) imports;
+    under ``CACTUS_SPEC_REQUIRE_GGML`` (set by ``make test``, which builds it), fail instead."""
+    if os.environ.get("CACTUS_SPEC_REQUIRE_GGML"):
+        importlib.import_module("llama_cpp")
+    else:
+        pytest.importorskip("llama_cpp", reason="the ggml backend needs llama-cpp-python")
 
 
 def spec_of(

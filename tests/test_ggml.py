@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import AR, make_tiny_lm
+from conftest import AR, make_tiny_lm, need_llama_cpp
 from test_engine import chi_square_p_value, sampled_pairs
 
 from cactus_spec.cli import main
@@ -39,7 +39,7 @@ THREADS = 2
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    pytest.importorskip("llama_cpp", reason="the ggml backend needs llama-cpp-python (make peers)")
+    need_llama_cpp()
     from cactus_spec.loading.fetch import fetch
 
     return fetch(MODEL)
@@ -213,20 +213,6 @@ def test_trees_are_refused_by_name(smollm: LoadedModel) -> None:
 
     with pytest.raises(ValueError, match="the ggml backend does not read token trees"):
         GgmlBackend(smollm.model, slots=1).append_tree([[5]], [[-1]], [0])
-
-
-@pytest.mark.slow
-def test_the_server_answers_as_offline_generate(smollm: LoadedModel) -> None:
-    from test_server import Served, complete, decoder_for
-
-    served = Served(smollm, "ngram")  # the engine's backend auto runs a GGUF loaded for ggml
-    try:
-        offline = decoder_for(smollm, "ngram")
-        text = complete(served, PROMPTS[0], seed=7).choices[0].text
-        assert text == offline.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 7, chat=False).text
-        assert text != complete(served, PROMPTS[0], seed=8).choices[0].text  # negative control
-    finally:
-        served.close()
 
 
 # --- bad input: one line naming the backend, before anything loads ------------------------

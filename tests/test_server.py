@@ -1,6 +1,8 @@
 """The OpenAI-compatible server on SmolLM2-135M, driven by the official ``openai`` client over
 loopback: answers equal offline ``generate`` token for token, streamed equals whole, bad
-requests get their status and a message naming the field, backpressure, disconnects."""
+requests get their status and a message naming the field, backpressure, disconnects. Every
+test runs on both backends a server of this model can have: lean (its float32 weights) and
+ggml (llama.cpp over its GGUF file, which refuses draft trees by name)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import spec_of
+from conftest import need_llama_cpp, spec_of
 
+from cactus_spec.backends.base import Backend
+from cactus_spec.backends.ggml import GgmlBackend, GgufModel
 from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
+from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.loading.options import LoadOptions
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -39,11 +44,24 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm() -> LoadedModel:
+@pytest.fixture(scope="module", params=["lean", "ggml"])
+def smollm(request) -> LoadedModel:
+    """SmolLM2 as the server's backend ``auto`` runs it on ``request.param``: lean for its
+    float32 weights, ggml for its GGUF loaded for llama.cpp."""
     from cactus_spec.loading.fetch import fetch
 
-    return load_model(fetch("smollm2-135m"), dtype="float32")
+    if request.param == "ggml":
+        need_llama_cpp()
+        return load_model(fetch(MODEL_ID), backend="ggml")
+    return load_model(fetch(MODEL_ID), dtype="float32")
+
+
+def alone(smollm: LoadedModel) -> Backend:
+    """The verifier alone on one row: transformers for the float32 weights (not the lean code
+    the server runs), llama.cpp for the GGUF (a context of its own)."""
+    if isinstance(smollm.model, GgufModel):
+        return GgmlBackend(smollm.model, slots=1)
+    return TransformersBackend(smollm.model)
 
 
 def serve_options(smollm: LoadedModel, drafter: str, **fields) -> ServeOptions:
@@ -203,7 +221,7 @@ def test_logprobs_are_the_verifiers_q_streamed_and_whole(served: Served, offline
     decoder = offline[drafter_of(served)]
     ids = decoder.generate(question, 10, 0.8, 20, 0.95, 9).token_ids  # the same tokens
     assert [e.token for e in content] == [decoder.tokenizer.decode([t]) for t in ids]
-    backend = TransformersBackend(smollm.model)
+    backend = alone(smollm)
     feed = decoder.encode(question)
     for token, entry in zip(ids, content, strict=True):
         q = logits_to_probs(backend.append(feed, keep=1), SamplingConfig(0.8, 20, 0.95))[0]
@@ -244,9 +262,13 @@ def test_n_choices_each_equal_their_seeded_single_request(served: Served, offlin
 def test_stop_token_ids_end_and_ignore_eos_runs_on(served: Served, offline) -> None:
     decoder = offline[drafter_of(served)]
     question = "Reply with the single word yes."
-    alone = decoder.generate(question, 24, 0.8, 20, 0.95, 2)
-    assert alone.finish_reason == "stop" and len(alone.token_ids) < 24  # ends at EOS
-    args = {"model": MODEL_ID, "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 2}
+    seed, alone = next(  # the first seed whose answer ends at EOS within 24 tokens
+        (seed, answer)
+        for seed in range(16)
+        if (answer := decoder.generate(question, 24, 0.8, 20, 0.95, seed)).finish_reason == "stop"
+    )
+    assert len(alone.token_ids) < 24
+    args = {"model": MODEL_ID, "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": seed}
     messages = [{"role": "user", "content": question}]
     extra = {"top_k": 20, "speculative": SPECULATIVE}
     on = served.client.chat.completions.create(
@@ -460,6 +482,26 @@ def test_sps_and_ar_requests_share_a_batch_with_cactus(one: Served, offline, smo
     for text, (rule, k) in zip(texts, rules, strict=True):
         decoder = SpeculativeDecoder(smollm, smollm if rule else None, spec_of(rule, k))
         assert text == decoder.generate(PROMPTS[0], 24, 0.8, 20, 0.95, 21, chat=False).text
+
+
+def test_a_draft_tree_is_decoded_or_refused_by_name(one: Served, smollm) -> None:
+    """Lean reads token trees: a tree request equals offline ``generate``. ggml reads none:
+    the request is a 400 naming ``speculative`` and what the verifier's backend lacks."""
+    tree = {"method": "sps", "num_draft_tokens": 2, "verification": "tree", "branches": 2}
+    body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 12, "seed": 3}
+    body |= {"temperature": 0.8, "top_p": 0.95, "top_k": 20, "speculative": tree}
+    status, answer = raw_post(f"{one.url}/v1/completions", json.dumps(body).encode())
+    if isinstance(smollm.model, GgufModel):
+        assert status == 400, answer
+        assert answer["error"]["param"] == "speculative"
+        message = answer["error"]["message"]
+        assert "verification tree needs token-tree attention" in message
+        assert "verifier's backend (GgmlBackend) lacks" in message
+    else:
+        assert status == 200, answer
+        decoder = SpeculativeDecoder(smollm, smollm, DecodeSpec.of(**tree))
+        expected = decoder.generate(PROMPTS[0], 12, 0.8, 20, 0.95, 3, chat=False).text
+        assert answer["choices"][0]["text"] == expected
 
 
 def test_a_deeply_nested_body_is_a_400_not_a_500(one: Served) -> None:
