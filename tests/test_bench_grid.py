@@ -235,6 +235,12 @@ def test_llamacpp_methods_take_their_own_parameters_only() -> None:
         expand([parse_entry("llamacpp_lookup:num_draft_tokens=4")])
 
 
+def test_prompt_lookup_is_hf_assisted_with_the_drafter_that_needs_no_model() -> None:
+    entries = ["hf_assisted:drafter=ngram,model", "sps:drafter=ngram", "hf"]
+    grid = expand([parse_entry(e) for e in entries], [4])
+    assert [c.id for c in grid if c.prompt_lookup] == ["hf_assisted/K4/ngram"]
+
+
 def test_k_auto_leaves_the_draft_length_to_the_policy() -> None:
     (config,) = expand([parse_entry("sps:num_draft_tokens=auto")], [6])
     assert config.id == "sps/Kauto/model" and config.label == "sps Kauto"

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import check_int
-from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS, drafts_without_a_model
 from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.spec import (
     AUTO_K,
@@ -110,6 +110,12 @@ class Config:
     def drafter(self) -> str | None:
         """None for a method that drafts nothing."""
         return self.decoding.drafter if self.drafts else None
+
+    @property
+    def prompt_lookup(self) -> bool:
+        """Whether it is Hugging Face's prompt lookup: ``hf_assisted`` with a drafter that
+        needs no draft model."""
+        return self.method == "hf_assisted" and drafts_without_a_model(self.drafter)
 
     @property
     def verification(self) -> str:

@@ -96,11 +96,11 @@ def hf_generate(
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, L]
     kwargs = _sampling_kwargs(sampling)
     settings: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if config.method == "hf_assisted" and config.drafter == "ngram":
+    if config.prompt_lookup:
         kwargs["prompt_lookup_num_tokens"] = config.num_draft_tokens
     elif config.method == "hf_assisted":
         if draft is None:
-            raise ValueError("hf_assisted with the model drafter needs a draft model")
+            raise ValueError(f"hf_assisted with the {config.drafter} drafter needs a draft model")
         kwargs["assistant_model"] = assistant = draft.transformers("hf_assisted")
         assert config.num_draft_tokens is not None  # a peer's K is given (auto is refused)
         settings = _assistant_settings(assistant, config.num_draft_tokens)

@@ -20,6 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from cactus_spec.core.drafters import DEFAULT_DRAFTER, drafts_without_a_model
 from cactus_spec.files import atomic_path
 
 COLORS = {
@@ -34,12 +35,14 @@ COLORS = {
 
 def _style(config: dict) -> dict:
     """Colour by method (Cactus: darker blue for larger delta); exact Cactus with squares
-    and dashes; the n-gram drafter with triangles; a quantised verifier with diamonds."""
+    and dashes; a drafter without a draft model (n-gram) with triangles; a quantised verifier
+    with diamonds."""
     params = config["params"]
     color = COLORS.get(config["method"], "gray")
     if config["method"] == "cactus":
         color = colormaps["Blues"](0.4 + 0.6 * min(params["delta"], 2.0) / 2.0)
-    marker = "^" if config["drafter"] == "ngram" else "s" if params.get("exact") else "o"
+    modelless = drafts_without_a_model(config["drafter"])
+    marker = "^" if modelless else "s" if params.get("exact") else "o"
     marker = "D" if config.get("verifier", "none") != "none" else marker
     return {"color": color, "marker": marker, "linestyle": "--" if params.get("exact") else "-"}
 
@@ -90,11 +93,12 @@ def accuracy_figure(summary: dict) -> Figure:
 def _reference_lines(
     ax: Axes, configs: Sequence[dict], value: Callable[[dict], float | None]
 ) -> None:
-    """SpS and TAS as horizontal lines (dotted; dash-dotted with the n-gram drafter)."""
+    """SpS and TAS as horizontal lines (dotted; dash-dotted with a drafter without a draft
+    model)."""
     for c in configs:
         y = value(c) if c["method"] in ("sps", "tas") else None
         if y is not None:
-            style = "-." if c["drafter"] == "ngram" else ":"
+            style = "-." if drafts_without_a_model(c["drafter"]) else ":"
             ax.axhline(y, color=COLORS[c["method"]], linestyle=style, label=c["label"])
 
 
@@ -132,9 +136,9 @@ def delta_figure(summary: dict) -> Figure:
 def _line_label(config: dict) -> str:
     """ "cactus exact K6", "cactus closed form K4 ngram"."""
     form = "exact" if config["params"]["exact"] else "closed form"
-    ngram = " ngram" if config["drafter"] == "ngram" else ""
+    drafter = "" if config["drafter"] == DEFAULT_DRAFTER else f" {config['drafter']}"
     k = config["num_draft_tokens"]
-    return f"cactus {form} K{'auto' if k is None else k}{ngram}"
+    return f"cactus {form} K{'auto' if k is None else k}{drafter}"
 
 
 def _cactus_lines(cactus: Sequence[dict]) -> list[list[dict]]:

@@ -333,7 +333,7 @@ def _notes(grid: Sequence[Config], reference: str | None, meta: dict | None = No
         )
     if reference is None:
         notes.append("No `ar` configuration in the grid: speedups and bounds are not available.")
-    if any(c.method == "hf_assisted" and c.drafter == "ngram" for c in grid):
+    if any(c.prompt_lookup for c in grid):
         notes.append(
             "hf_assisted with the n-gram drafter is Hugging Face's prompt lookup decoding "
             "(prompt_lookup_num_tokens = K)."

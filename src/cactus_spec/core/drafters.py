@@ -44,6 +44,13 @@ def get_drafter(name: str, label: str = "drafter") -> DrafterKind:
     return DRAFTERS[name]
 
 
+def drafts_without_a_model(name: str | None) -> bool:
+    """Whether ``name`` is a registered drafter that needs no draft model: False for None (a
+    method that drafts nothing) and for a name not registered."""
+    kind = DRAFTERS.get(name) if name is not None else None
+    return kind is not None and not kind.needs_draft_model
+
+
 def tree_drafters() -> list[str]:
     """The names of the drafters that draft trees."""
     return [d.name for d in DRAFTERS.values() if d.drafts_trees]
