@@ -8,10 +8,11 @@ import pytest
 from conftest import make_tiny_lm
 
 from cactus_spec.cli import main
+from cactus_spec.cli_args import parser
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.models import resolve_verifier_quant
-from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
+from cactus_spec.loading.options import DEFAULT_DRAFT_QUANT, LOAD_KEYS, LoadOptions, parse_load
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 NOWHERE = "/nonexistent/model.gguf"  # never loads: every error below comes first
@@ -39,6 +40,16 @@ def test_defaults_and_resolution() -> None:
     assert auto == resolve_verifier_quant("auto") and auto in ("none", "int8")
     assert parse_load({"threads": "2", "draft_vocab": "7"}, needs_draft=True).threads == 2
     assert set(parse_load({}, needs_draft=False).as_kwargs()) == set(LOAD_KEYS)
+    assert options.draft_quant == DEFAULT_DRAFT_QUANT
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["demo"], ["serve"], ["bench"]])
+def test_a_flag_left_out_reads_as_the_key_left_out(command: list[str]) -> None:
+    """The model flags' defaults are ``parse_load``'s (--draft-quant's among them), bar
+    --verifier-quant, auto on the command line."""
+    args = parser().parse_args(command)
+    given = {key: getattr(args, key) for key in LOAD_KEYS if key != "verifier_quant"}
+    assert parse_load(given, needs_draft=True) == parse_load({}, needs_draft=True)
 
 
 def test_refusals_name_the_key_as_the_caller_writes_it() -> None:

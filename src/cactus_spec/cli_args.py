@@ -17,7 +17,7 @@ from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import AUTO_K, VERIFICATIONS
-from cactus_spec.loading.options import BACKENDS
+from cactus_spec.loading.options import BACKENDS, DEFAULT_DRAFT_QUANT
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK
@@ -326,7 +326,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTS,
         default=None,
         help="draft weights (any of them keeps the output law; int8 and int4 are level end "
-        "to end where measured); default int8, the GGUF's own with --backend ggml",
+        f"to end where measured); default {DEFAULT_DRAFT_QUANT}, the GGUF's own with --backend "
+        "ggml",
     )
     p.add_argument(
         "--draft-vocab",

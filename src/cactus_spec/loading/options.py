@@ -30,13 +30,16 @@ from cactus_spec.loading.models import (
     resolve_verifier_quant,
 )
 
-__all__ = ["BACKENDS", "LOAD_KEYS", "LoadOptions", "parse_load"]
+__all__ = ["BACKENDS", "DEFAULT_DRAFT_QUANT", "LOAD_KEYS", "LoadOptions", "parse_load"]
 
 #: What ``parse_load`` reads.
 LOAD_KEYS = (
     "verifier", "draft", "verifier_quant", "draft_quant", "draft_vocab", "dtype", "device",
     "threads", "backend",
 )  # fmt: skip
+#: The draft's quantisation where none is asked for; the ggml backend runs the GGUF's own
+#: weights instead (none).
+DEFAULT_DRAFT_QUANT = "int8"
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class LoadOptions:
     verifier: ModelSource = DEFAULT_PAIR[0]
     draft: ModelSource | None = None
     verifier_quant: str = "none"
-    draft_quant: str = "int8"
+    draft_quant: str = DEFAULT_DRAFT_QUANT
     draft_vocab: int | None = None
     dtype: str | torch.dtype | None = None
     device: str = "cpu"
@@ -106,7 +109,9 @@ def parse_load(
     verifier_quant = _choice(
         label("verifier_quant"), given.get("verifier_quant", "none"), (*QUANTS, "auto")
     )
-    draft_quant = _choice(label("draft_quant"), given.get("draft_quant", "int8"), QUANTS)
+    draft_quant = _choice(
+        label("draft_quant"), given.get("draft_quant", DEFAULT_DRAFT_QUANT), QUANTS
+    )
     options = LoadOptions(
         verifier=_source(label("verifier"), given.get("verifier", defaults[0])),
         draft=_source(label("draft"), given.get("draft", defaults[1])) if needs_draft else None,

@@ -81,8 +81,9 @@ class SpeculativeDecoder:
     sequence (``prefixes``). ``grammar_limits`` bound what a request's grammar may cost
     (``grammar.GrammarLimits``). ``draft_quant`` and ``verifier_quant`` ("none", "int8",
     "int4") apply to models this constructor loads from a name or path: the draft is int8 by
-    default (the output law depends only on the verifier, so SpS stays exact; on the ggml
-    backend both run the GGUF's own weights), the verifier is not.
+    default (``loading.options.DEFAULT_DRAFT_QUANT``; the output law depends only on the
+    verifier, so SpS stays exact; on the ggml backend both run the GGUF's own weights), the
+    verifier is not.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
     (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
     to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` where
