@@ -27,6 +27,7 @@ from cactus_spec.cli_args import method_flags, parser
 from cactus_spec.core.checks import check_int, flag
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DecodeSpec, parse_spec
+from cactus_spec.loading.backend import reads_trees
 from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 
 stderr = Console(stderr=True)
@@ -45,7 +46,7 @@ def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
     together whatever the models are, refused before any model loads."""
     options = _load_options(args, spec.needs_draft_model)
     spec.check_trees(flag)
-    if spec.trees and options.backend in ("hf", "ggml"):
+    if spec.trees and not reads_trees(options.backend):
         raise ValueError(
             f"--verification {spec.verification} needs token-tree attention, which "
             f"--backend {options.backend} lacks; use --backend lean or auto"

@@ -9,6 +9,19 @@ from cactus_spec.backends.hf import TransformersBackend
 from cactus_spec.backends.lean import LeanBackend, LeanModel, unsupported_reason
 from cactus_spec.loading.models import BACKENDS, LoadedModel
 
+#: The class ``make_backend`` builds for each backend named outright (``auto`` picks lean or
+#: hf by the model).
+BACKEND_TYPES: dict[str, type[Backend]] = {
+    "lean": LeanBackend, "hf": TransformersBackend, "ggml": GgmlBackend,
+}  # fmt: skip
+
+
+def reads_trees(kind: str) -> bool:
+    """Whether backend ``kind`` has token-tree attention (``Backend.reads_trees``); True for
+    ``auto``, whose choice waits for the model (the engine checks the backend it built)."""
+    chosen = BACKEND_TYPES.get(kind)
+    return chosen is None or chosen.reads_trees
+
 
 def make_backend(loaded: LoadedModel, kind: str = "auto", slots: int = 1) -> Backend:
     """A backend over ``loaded``: ``lean`` (Qwen2/Llama in plain torch, static per-row
