@@ -196,6 +196,7 @@ def test_the_policy_drafts_when_verifying_a_block_is_cheap_and_not_when_it_is_de
     # rows that fixed K keep it, autoregressive rows draft nothing
     fixed = generation(d, [1, 2, 3], spec_of(Cactus(1.0), 3))
     ar = generation(d, [1, 2, 3], AR)
+    cheap.verify.observe(6, 0.051)  # their batch at K = 0: 4 + 1 + 1 tokens, read
     k_fixed, k_ar, k_auto = cheap.choose([fixed, ar, g], [0, 0, 0])
     assert (k_fixed, k_ar) == (3, 0) and k_auto > 0
 
@@ -378,6 +379,65 @@ def test_each_size_still_learns_its_own_cost_beside_the_pace() -> None:
     assert ratio == pytest.approx(0.091 / 0.050, rel=0.03)
 
 
+def test_a_calibrations_guess_gives_way_to_the_first_reading() -> None:
+    """A calibration timed an 11-token block at 100 ms, a plain step at 50; the first
+    iteration reads the block at 130 ms: the block's entry takes it and the machine's pace
+    stays (a plain step still reads 50 ms). The control: a second reading of the block,
+    at 150 ms, surprises a size read before, and moves the pace and the plain step."""
+    policy = SpeculationPolicy(max_draft_tokens=10)
+    policy.verify.seed(1, 0.050)
+    policy.verify.seed(11, 0.100)
+    policy.observe(StepTiming(1, 10, 0.1, 11, 0.130, 11))
+    assert policy.verify.estimate(11) == pytest.approx(0.130)
+    assert policy.verify.estimate(1) == pytest.approx(0.050)
+    policy.observe(StepTiming(1, 10, 0.1, 11, 0.150, 11))
+    assert policy.verify.estimate(1) > 0.055
+
+
+def four_rows_at(acceptance: float) -> tuple[SpeculationPolicy, list[Generation]]:
+    """A policy past its probe that keeps ``acceptance`` of the drafts at every position, and
+    four fresh rows with 96 tokens to go."""
+    d = decoder(4)
+    policy = SpeculationPolicy(max_draft_tokens=8)
+    policy.pool_accepted, policy.pool_reached = [1000 * acceptance] * 8, [1000.0] * 8
+    rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None), 96) for _ in range(4)]
+    return policy, rows
+
+
+def test_plain_decodings_cost_is_read_before_drafting_may_beat_it() -> None:
+    """A calibration guessed 65 ms for 4 plain rows where an iteration reads 47 (a noisy
+    moment of a shared machine): by the guess, K = 3 is a third faster than plain decoding.
+    The policy first decodes plainly, reading the batch's plain step, and then keeps to it:
+    at 47 ms plain decoding is the faster. The control: read at 65 ms, it drafts."""
+    for plain_s, drafts in ((0.047, False), (0.065, True)):
+        policy, rows = four_rows_at(0.97)
+        policy.verify.seed(4, 0.065)
+        policy.verify.seed(16, 0.170)
+        policy.draft.seed(4, 0.005)
+        (plain, plain_s_guess), *_, (tokens, seconds) = policy.forecast(rows, [0] * 4)[:4]
+        assert tokens / seconds > 1.3 * plain / plain_s_guess
+        assert policy.choose(rows, [0] * 4) == [0] * 4
+        policy.observe(StepTiming(4, 0, 0.0, 4, plain_s, 4))
+        assert (policy.choose(rows, [0] * 4)[0] > 0) == drafts
+
+
+def test_a_joining_rows_read_is_weighed_against_its_share_of_the_gain() -> None:
+    """Four rows keep 97% of their drafts, where K = 3 decodes 11% faster than plain (all
+    drafters caught up, the control). A fourth row joins: its drafter would read 60 tokens
+    at 1.5 ms while all four rows wait, to draft for its 96 tokens, a quarter of the batch's
+    gain: drafting no longer pays. The same read paid by a lone row, whose gain is all the
+    batch's, does."""
+    policy, rows = four_rows_at(0.97)
+    for tokens, seconds in {1: 0.035, 4: 0.047, 16: 0.110, 32: 0.220}.items():
+        policy.verify.observe(tokens, seconds)
+    policy.draft.observe(1, 0.010)
+    policy.draft.observe(4, 0.017)
+    policy.catch_up_token_s = 0.0015
+    assert policy.choose(rows, [2, 2, 2, 2])[0] > 0
+    assert policy.choose(rows, [2, 2, 2, 60]) == [0] * 4
+    assert policy.choose(rows[3:], [60])[0] > 0
+
+
 def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:
     """Two rows keep 92% of first drafts: one every later draft too (HumanEval's pattern),
     the other 92% at every position. Per-position chances predict 10.0 tokens from ten drafts
@@ -519,10 +579,14 @@ def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:
     assert most >= 3  # not every token emitted: some iterations emitted three or more
 
 
-def generation(d: SpeculativeDecoder, prompt: list[int], spec) -> Generation:
-    return d.new_generation(
-        Request(prompt_ids=prompt, max_new_tokens=50, sampling=SamplingConfig(), spec=spec), 0
+def generation(
+    d: SpeculativeDecoder, prompt: list[int], spec, max_new_tokens: int = 50
+) -> Generation:
+    sampling = SamplingConfig()
+    request = Request(
+        prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec
     )
+    return d.new_generation(request, 0)
 
 
 def _taught(policy: SpeculationPolicy, confidence: float, kept_share: float) -> None:

@@ -21,7 +21,7 @@ every later iteration's counts (the row's, the pool's r_j) leave the opening out
 
 and costs
 
-    T(K) = K * t_draft(R) + t_block(n) + [K > 0] c L / N(K)   seconds,
+    T(K) = K * t_draft(R) + t_block(n) + [K > 0] B c L / N(K)   seconds,
     n = n_fixed + sum_b (w_b K + 1),   t_block(n) = t_verify(n) + t_host(n),
 
 where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj is
@@ -29,15 +29,23 @@ its rate at depth j, read off the same history), R = sum_b w_b the rows of one d
 t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens in
 all, t_host(n) the rest of an iteration that verifies n tokens (processing each token's row
 of q, judging, the meter: it grows with n as the forward does, and is no share of either
-model's time), and c L the model drafter's catch-up: L tokens it skipped beyond the steady
-lag (a new prompt, or what was emitted while K was 0; it reads them only when its row drafts
-again) at c seconds each, paid off over N(K), the iterations the rows have left at E(K) / B
-tokens each. Costs are read off ``CostTable``s that every iteration updates (an exponential
-moving average per size, seeded by a short calibration that times t_draft through the
-drafter, as the stepper runs it), held relative to the machine's pace (below). The policy
-drafts the K in 0..K_max that maximises E(K) / T(K), and drafts at all only when that is
-at least ``_MARGIN`` above K = 0, plain decoding (E = B, T = t_block(B)): so it never picks
-a K it predicts to be slower than plain decoding, nor one within its own error of it. At
+model's time), and c L the model drafters' catch-up: L tokens the lagging rows' drafters
+skipped beyond the steady lag (a new prompt, or what was emitted while K was 0; a drafter
+reads them only when its row drafts again) at c seconds each, while every row waits. N(K)
+is the iterations those rows have left (each its remaining tokens at its E_b(K) an
+iteration, summed): a lagging row's read buys drafting for that row alone, 1/B of the
+batch's gain, so the read is weighed against a B-th of the gain over the row's remaining
+life. At a steady load this is the batch's whole cost: each of the B rows joins, and its
+read stalls all of them, once in a row's life. Costs are read off ``CostTable``s that every
+iteration updates (an exponential moving average per size, held relative to the machine's
+pace, below), seeded by a short calibration that times t_draft through the drafter, as the
+stepper runs it. A calibration's timing is a guess at a size, and a noisy one (a few
+forwards in one moment of a shared machine, at a short context): a size's first reading in
+an iteration replaces it, and plain decoding's size (the batch at K = 0) is read in an
+iteration before any forecast may choose drafting over it. The policy drafts the K in
+0..K_max that maximises E(K) / T(K), and drafts at all only when that is at least
+``_MARGIN`` above K = 0, plain decoding (E = B, T = t_block(B)): so it never picks a K it
+predicts to be slower than plain decoding, nor one within its own error of it. At
 high concurrency, where a verifier forward over B (K + 1) tokens costs much more than over
 B, it drafts less or not at all. The scheduler asks for the batch that is forming (rows
 still reading their prompts included), not only for the rows already decoding.
@@ -60,12 +68,12 @@ by up to 1.6x within minutes). An iteration measures only the sizes it runs, so
 without a common scale the plain step timed in one state is weighed against draft steps and
 blocks timed in the other: a gain reads as a loss, and a policy that drafts nothing
 measures no drafting to correct it. So the costs are read against a ``Pace`` p: every
-verifier forward moves log p by ``_PACE`` times the log of its surprise (measured over
-estimated seconds), every measurement is stored divided by p and read multiplied by it,
-and what p leaves of a surprise is what its size's entry learns (a size read for the first
-time takes its shape from the sizes around it: its whole surprise moves p). All costs scale
-with p together, so the K chosen depends on their ratios alone, which p's noise leaves
-unchanged.
+verifier forward of a size read before moves log p by ``_PACE`` times the log of its
+surprise (measured over estimated seconds), every measurement is stored divided by p and
+read multiplied by it, and what p leaves of a surprise is what its size's entry learns (a
+size's first reading is its entry's, and moves no pace: what it says of the size is surer
+than what it says of the machine). All costs scale with p together, so the K chosen depends
+on their ratios alone, which p's noise leaves unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, rows that leave K open draft, to the end, the K that would pay best were every
@@ -140,19 +148,36 @@ class Pace:
 
 class CostTable:
     """Seconds by size (rows or tokens), interpolated linearly between measured sizes and
-    extrapolated in proportion beyond the largest; stored over ``pace`` and read times it."""
+    extrapolated in proportion beyond the largest; stored over ``pace`` and read times it.
+    An entry is a calibration's guess (``seed``) until the size's first reading in an
+    iteration (``observe``) replaces it."""
 
     def __init__(self, pace: Pace | None = None) -> None:
         self.pace = Pace() if pace is None else pace
         self.sizes: list[int] = []
         self.seconds: list[float] = []  # at a pace of 1
+        self.read: set[int] = set()  # the sizes measured in an iteration
+
+    def seed(self, size: int, seconds: float) -> None:
+        """Enter a calibration's timing of ``size``: the entry until the size is read."""
+        if size not in self.read:
+            self._set(size, seconds / self.pace.factor)
 
     def observe(self, size: int, seconds: float) -> None:
-        """Fold one measurement of ``size`` into the table."""
+        """Fold one measurement of ``size`` into the table: the first replaces what the
+        calibration or the sizes around it said; later ones move a moving average."""
         seconds /= self.pace.factor
+        if size in self.read:
+            at = self.sizes.index(size)
+            self.seconds[at] += _EMA * (seconds - self.seconds[at])
+        else:
+            self.read.add(size)
+            self._set(size, seconds)
+
+    def _set(self, size: int, seconds: float) -> None:
         at = bisect.bisect_left(self.sizes, size)
         if at < len(self.sizes) and self.sizes[at] == size:
-            self.seconds[at] += _EMA * (seconds - self.seconds[at])
+            self.seconds[at] = seconds
         else:
             self.sizes.insert(at, size)
             self.seconds.insert(at, seconds)
@@ -254,6 +279,8 @@ class SpeculationPolicy:
             return [best * probe if g.spec.auto_k else _fixed_k(g)
                     for g, probe in zip(generations, probes, strict=True)]  # fmt: skip
         best = _best_k(self.forecast(generations, behind))
+        if _plain_tokens(generations) not in self.verify.read:
+            best = 0  # plain decoding's cost at this batch is measured before it is beaten
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _probe_k(self, generations: Sequence[Generation], probes: Sequence[bool]) -> int:
@@ -292,16 +319,16 @@ class SpeculationPolicy:
         drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
         rows = sum(widths) + sum(drafting)  # rows of one draft step
 
-        lag = sum(n for n in lags if n > _STEADY_LAG)
-        catch_up = lag * self.catch_up_token_s
-        remaining = max(1.0, sum(g.remaining for g in auto) / max(1, len(auto)))  # per row
+        owed = [(i, g.remaining) for i, g in enumerate(auto) if lags[i] > _STEADY_LAG]
+        catch_up = len(auto) * self.catch_up_token_s * sum(lags[i] for i, _ in owed)  # B c L
 
         def forecast(k: int) -> tuple[float, float]:
             per_row = [expected_tokens(c, k) for c in chances]
             cost = self.block(fixed_tokens + sum(w * k + 1 for w in widths))
-            if k > 0 and per_row:  # the catch-up, paid off over the iterations the rows have left
-                iterations_left = remaining / (sum(per_row) / len(per_row))
-                cost += k * self.draft.estimate(rows) + catch_up / iterations_left
+            if k > 0 and per_row:
+                cost += k * self.draft.estimate(rows)
+            if k > 0 and owed:  # over N(K), the iterations the lagging rows have left
+                cost += catch_up / sum(max(1.0, left / per_row[i]) for i, left in owed)
             return sum(per_row), cost
 
         return [forecast(k) for k in range(self.max_draft_tokens + 1)]
@@ -359,9 +386,9 @@ class SpeculationPolicy:
         self._learn_confidences(timing)
         self.judged += timing.verified_tokens - timing.rows  # each row feeds one more token
         tokens = timing.verified_tokens
-        first = tokens not in self.verify.sizes  # its cost the table's reading between sizes,
-        self.pace.follow(timing.verify_s, self.verify.estimate(tokens), 1.0 if first else _PACE)
-        self.verify.observe(tokens, timing.verify_s)  # so its first surprise is all pace
+        if tokens in self.verify.read:  # a size's first reading is its entry's alone
+            self.pace.follow(timing.verify_s, self.verify.estimate(tokens))
+        self.verify.observe(tokens, timing.verify_s)
         self.host.observe(tokens, timing.host_s)
         if not timing.draft_steps:
             return
@@ -408,10 +435,10 @@ class SpeculationPolicy:
         seconds of one draft step over b rows, for b = 1, 2, 4, ... max_rows. Each size is
         run three times and the least timing kept (noise only ever adds time)."""
         for size in _doubling(max_rows * (self.max_draft_tokens + 1)):
-            self.verify.observe(size, _least_of_three(verify_forward, size))
+            self.verify.seed(size, _least_of_three(verify_forward, size))
         if draft_step is not None:
             for rows in _doubling(max_rows):
-                self.draft.observe(rows, _least_of_three(draft_step, rows))
+                self.draft.seed(rows, _least_of_three(draft_step, rows))
 
 
 def _after_opening(g: Generation) -> tuple[list[int], list[int]]:
@@ -430,6 +457,13 @@ def _probe_rows(generations: Sequence[Generation], behind: Sequence[int]) -> lis
     ready = [i for i in auto if behind[i] <= STEP_CATCH_UP]
     chosen = set(ready or [min(auto, key=behind.__getitem__)])
     return [i in chosen for i in range(len(generations))]
+
+
+def _plain_tokens(generations: Sequence[Generation]) -> int:
+    """Tokens the verifier reads in an iteration where the rows that leave K open draft none."""
+    return sum(
+        1 if g.spec.auto_k else _fixed_k(g) * g.verification.branches + 1 for g in generations
+    )
 
 
 def _best_k(forecast: Sequence[tuple[float, float]]) -> int:
