@@ -128,7 +128,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "spec": spec.as_dict(),
             "stats": result.stats.as_dict(),
             "verifier": {
-                "quant": options.verifier_quant,
+                "quant": decoder.verifier.weight_format,
                 "divergence": divergence.as_dict() if divergence else None,
             },
         }

@@ -30,11 +30,12 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from gguf import LlamaFileType
 from torch import Tensor
 
 from cactus_spec.backends.lean import DEFAULT_CONTEXT
 
-__all__ = ["INSTALL_HINT", "GgmlBackend", "GgufModel", "available"]
+__all__ = ["INSTALL_HINT", "GgmlBackend", "GgufModel", "available", "ggml_kernel"]
 
 INSTALL_HINT = "pip install 'cactus-spec[peers]' (builds llama.cpp from source, ~7 minutes)"
 
@@ -45,6 +46,15 @@ DECODE_TOKENS = 2048
 def available() -> bool:
     """Whether llama-cpp-python is installed (nothing is imported)."""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def ggml_kernel() -> str:
+    """llama.cpp's build and the CPU features its kernels use (results that depend on them
+    record it)."""
+    from llama_cpp import __version__
+
+    features = _library().llama_print_system_info().decode().strip(" |")
+    return f"llama.cpp (llama-cpp-python {__version__}), {features}"
 
 
 @cache
@@ -77,7 +87,8 @@ def _errors_only(lib: ModuleType):
 
 class GgufModel:
     """A GGUF file loaded by llama.cpp, to be run with ``threads`` CPU threads (None:
-    torch's count). ValueError naming the file when llama.cpp cannot read it."""
+    torch's count); ``file_type`` is its quantisation type as llama.cpp's tools name it
+    (Q4_K_M, Q4_1, ...). ValueError naming the file when llama.cpp cannot read it."""
 
     def __init__(self, path: Path, threads: int | None = None) -> None:
         lib = _library()
@@ -96,7 +107,18 @@ class GgufModel:
         self.max_positions = int(lib.llama_model_n_ctx_train(handle))
         eos = int(lib.llama_vocab_eos(vocab))
         self.eos_ids = frozenset([eos] if eos >= 0 else [])
+        self.file_type = _file_type(int(lib.llama_model_ftype(handle)))
         weakref.finalize(self, lib.llama_model_free, handle)
+
+
+def _file_type(ftype: int) -> str:
+    """The name of a llama.cpp file type (``Q4_K_M`` for 15), or llama.cpp's own description
+    of one the gguf package does not list; guessed or stated alike."""
+    ftype &= ~LlamaFileType.GUESSED
+    try:
+        return LlamaFileType(ftype).name.removeprefix("MOSTLY_")
+    except ValueError:  # a type newer than the gguf package
+        return _library().llama_ftype_name(ftype).decode()
 
 
 class GgmlBackend:

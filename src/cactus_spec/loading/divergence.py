@@ -1,10 +1,13 @@
 """How far a quantised verifier's next-token law is from its bfloat16 original, on real text.
 
-An int8 verifier changes the law every method's output follows: from q (bfloat16) to q8.
-This measures, teacher-forced along a fixed real text (Python source code), the mean per
-position
+A quantised verifier changes the law every method's output follows: from q (bfloat16) to
+q_quant. Quantised by us (int8, int4), its original is the same model in bfloat16; run by
+llama.cpp (the ggml backend, a GGUF of type Q4_K_M, Q4_1, ...), its original is the dense
+bfloat16 copy of the same file that the lean backend runs (the same dequantised weights:
+what differs is llama.cpp's arithmetic on its own blocks). This measures, teacher-forced
+along a fixed real text (Python source code), the mean per position
 
-    KL(q8 || q)  in nats per token, at temperature 1,
+    KL(q_quant || q)  in nats per token, at temperature 1,
 
 the direction of the engine's divergence meter (the law the output follows first), so it can
 be read beside Cactus's own KL. It is measured in the two regimes the engine runs: one token
@@ -13,7 +16,7 @@ are quantised together. Argmax agreement is reported too.
 
 Measuring loads the reference and costs about a minute for the 1.5B verifier, so results are
 cached in ``divergence.json`` of the model cache, keyed by what they depend on (the model's
-sha256, the format, the text, the block size, torch and the CPU's int8 path).
+sha256, the format, the text, the block size, torch and the kernels of both sides).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 
 from cactus_spec.backends.base import Backend
+from cactus_spec.backends.ggml import GgufModel, ggml_kernel
 from cactus_spec.backends.packed import bf16_kernel
 from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.core.audit import kl
@@ -123,10 +127,17 @@ def measure(
 
 
 def _cache_key(loaded: LoadedModel, token_ids: Sequence[int], block: int) -> str:
+    """What a measurement depends on, the weight format named (int8, Q4_K_M, ...)."""
     text = hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
-    model = loaded.sha256 or loaded.identity
-    kernels = f"{quant_kernel()}|{int4_kernel()}|bf16 {bf16_kernel()}"
-    return f"{model}|{loaded.quant}|{kernels}|torch {torch.__version__}|{text}|{block}"
+    model = f"{loaded.sha256 or loaded.identity}|{loaded.weight_format}"
+    return f"{model}|{_kernels(loaded)}|torch {torch.__version__}|{text}|{block}"
+
+
+def _kernels(loaded: LoadedModel) -> str:
+    """The kernels measuring ``loaded`` runs: its own (ours or llama.cpp's), the reference's."""
+    if isinstance(loaded.model, GgufModel):
+        return f"{ggml_kernel()}|bf16 {bf16_kernel()}"
+    return f"{quant_kernel()}|{int4_kernel()}|bf16 {bf16_kernel()}"
 
 
 def _read_cache() -> dict:
@@ -138,9 +149,11 @@ def _read_cache() -> dict:
 
 
 def quant_divergence(loaded: LoadedModel, block: int = DEFAULT_BLOCK) -> Divergence | None:
-    """The measured divergence of a quantised model from its bfloat16 original (None for an
-    unquantised one), from the cache or measured now (loading the original once)."""
-    if loaded.quant == "none":
+    """The measured divergence of a quantised model (int8, int4, or a GGUF llama.cpp runs)
+    from its bfloat16 original (None for an unquantised one), from the cache or measured now
+    (loading the original once)."""
+    weights = loaded.weight_format
+    if weights == "none":
         return None
     if loaded.tokenizer is None or not Path(loaded.identity).exists():
         raise ValueError(
@@ -156,12 +169,12 @@ def quant_divergence(loaded: LoadedModel, block: int = DEFAULT_BLOCK) -> Diverge
         except TypeError:
             pass  # an entry of another layout: measure again
     print(
-        f"measuring the {loaded.quant} verifier's divergence from {REFERENCE_DTYPE} "
+        f"measuring the {weights} verifier's divergence from {REFERENCE_DTYPE} "
         f"(once per model; about a minute)...",
         file=sys.stderr,
     )
     reference = load_model(loaded.identity, dtype=REFERENCE_DTYPE, device=loaded.device)
-    result = measure(make_backend(reference), make_backend(loaded), ids, loaded.quant, block)
+    result = measure(make_backend(reference), make_backend(loaded), ids, weights, block)
     cache = _read_cache()
     cache[key] = result.as_dict()
     cache_dir().mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,14 @@ class LoadedModel:
     head_tokens: torch.Tensor | None = None  # [N] the ids a truncated LM head keeps, in order
 
     @property
+    def weight_format(self) -> str:
+        """How the weights run: the GGUF's quantisation type (Q4_K_M, ...) for a model
+        llama.cpp runs, else ``quant`` (none, int8 or int4)."""
+        if isinstance(self.model, GgufModel):
+            return self.model.file_type
+        return self.quant
+
+    @property
     def device(self) -> torch.device:
         if isinstance(self.model, GgufModel):
             return torch.device("cpu")

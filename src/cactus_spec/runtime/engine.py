@@ -408,9 +408,9 @@ class SpeculativeDecoder:
         return calibrated_policy(self._backend, self._drafter, self.max_draft_tokens)
 
     def verifier_divergence(self) -> Divergence | None:
-        """How far a quantised verifier's law is from its bfloat16 original (KL in nats per
-        token on real text, ``divergence``): measured once per model, then cached. None
-        for an unquantised verifier."""
+        """How far a quantised verifier's law (int8, int4, or a GGUF run by llama.cpp) is
+        from its bfloat16 original (KL in nats per token on real text, ``divergence``):
+        measured once per model, then cached. None for an unquantised verifier."""
         return quant_divergence(self.verifier)
 
     # --- rows, for the scheduler ----------------------------------------------------------
