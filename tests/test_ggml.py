@@ -4,12 +4,15 @@ Greedy AR through the engine gives llama.cpp's own greedy tokens (the binding's 
 as the engine feeds: the prompt but its last token, then one token at a time); rollback
 leaves the cache a fresh read's; a row among three others reads the bits it reads alone and
 decodes the tokens it decodes alone; greedy SpS with a ggml draft gives AR's tokens; SpS
-through ggml keeps the ggml verifier's law; bad input is one line naming the backend and
-what it reads, before anything loads.
+through ggml keeps the ggml verifier's law; the ggml verifier's KL from the dense bfloat16
+copy of the same GGUF is measured (the copy against itself reads zero) and ``generate``
+reports it, cached under the GGUF's type apart from int8's; bad input is one line naming the
+backend and what it reads, before anything loads.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,8 @@ from test_engine import chi_square_p_value, sampled_pairs
 from cactus_spec.cli import main
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.loading import gguf
+from cactus_spec.loading import divergence, gguf
+from cactus_spec.loading.backend import make_backend
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.loading.options import parse_load
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -213,6 +217,57 @@ def test_trees_are_refused_by_name(smollm: LoadedModel) -> None:
 
     with pytest.raises(ValueError, match="the ggml backend does not read token trees"):
         GgmlBackend(smollm.model, slots=1).append_tree([[5]], [[-1]], [0])
+
+
+#: Tokens the divergence tests measure (the engine's measure reads 256: minutes here).
+MEASURED = 24
+
+
+@pytest.mark.slow
+def test_the_ggml_verifier_diverges_from_bf16_where_bf16_reads_zero_from_itself(
+    smollm: LoadedModel, gguf_path: Path
+) -> None:
+    """The ggml verifier (Q4_1) against the dense bfloat16 copy of the same GGUF, as the lean
+    backend runs it, in both regimes; the copy against itself is the negative control."""
+    reference = load_model(gguf_path, dtype="bfloat16")
+    text = divergence.reference_text()
+    ids = smollm.tokenizer(text).input_ids[: divergence.PREFIX_TOKENS + MEASURED]
+    ggml = divergence.measure(make_backend(reference), make_backend(smollm), ids, "Q4_1")
+    assert 0 < ggml.kl_one_row < 0.1 and 0 < ggml.kl_block < 0.1
+    assert ggml.tokens == MEASURED and ggml.agreement_one_row > 0.8
+    itself = divergence.measure(make_backend(reference), make_backend(reference), ids, "none")
+    assert itself.kl_one_row == itself.kl_block == 0.0
+    assert itself.agreement_one_row == itself.agreement_block == 1.0
+
+
+@pytest.mark.slow
+def test_generate_on_ggml_reports_the_verifiers_divergence_apart_from_int8s(
+    gguf_path: Path, capsys, monkeypatch, tmp_path
+) -> None:
+    """``generate --backend ggml`` measures the GGUF verifier's KL from bfloat16 once, reports
+    it in --json and the table, and caches it under the GGUF's type: the int8 verifier of the
+    same file gets an entry of its own."""
+    monkeypatch.setattr(divergence, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(divergence, "MEASURED_TOKENS", MEASURED)
+    monkeypatch.setenv("COLUMNS", "200")  # the table's rows on one line each
+    argv = ["generate", "Say hello.", "--verifier", str(gguf_path), "--method", "ar"]
+    argv += ["--max-new-tokens", "4", "--threads", str(THREADS)]
+    assert main([*argv, "--backend", "ggml", "--json"]) == 0
+    first = capsys.readouterr()
+    assert "measuring the Q4_1 verifier's divergence from bfloat16" in first.err
+    reported = json.loads(first.out)["verifier"]
+    found = reported["divergence"]
+    assert reported["quant"] == found["quant"] == "Q4_1" and found["tokens"] == MEASURED
+    assert 0 < found["kl_one_row"] < 0.1 and 0 < found["kl_block"] < 0.1
+    assert main([*argv, "--backend", "ggml"]) == 0  # the table, from the cache
+    second = capsys.readouterr()
+    assert "measuring" not in second.err
+    assert f"Q4_1 verifier vs bfloat16 (KL nats/token) │ {found['kl_one_row']:.4f}" in second.out
+    assert main([*argv, "--verifier-quant", "int8", "--json"]) == 0
+    assert "measuring the int8 verifier" in capsys.readouterr().err
+    cache = json.loads((tmp_path / "divergence.json").read_text())
+    assert sorted(entry["quant"] for entry in cache.values()) == ["Q4_1", "int8"]
+    assert all(f"|{entry['quant']}|" in key for key, entry in cache.items())
 
 
 # --- bad input: one line naming the backend, before anything loads ------------------------
