@@ -318,9 +318,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "drafts text the verifier's tokenizer encodes again)",
     )
     p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (auto)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (>= 1)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto", help="model code (auto)")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="model code (auto)")
     p.add_argument(
         "--draft-quant",
         choices=QUANTS,

@@ -100,17 +100,19 @@ def parse_load(
                 "(method ar, or a drafter without a draft model)"
             )
     defaults = default_pair or (None, None)
-    backend = _choice(label("backend"), given.get("backend", "auto"), BACKENDS)
-    device = str(check_device(given.get("device", "cpu"), label("device")))
+    backend = _choice(label("backend"), given.get("backend", _default("backend")), BACKENDS)
+    device = str(check_device(given.get("device", _default("device")), label("device")))
     dtype = given.get("dtype")
     if not isinstance(dtype, (str, torch.dtype, type(None))):
         raise ValueError(f"{label('dtype')} must be a dtype's name or a torch.dtype, got {dtype!r}")
     resolve_dtype(dtype, device, label("dtype"))
     verifier_quant = _choice(
-        label("verifier_quant"), given.get("verifier_quant", "none"), (*QUANTS, "auto")
+        label("verifier_quant"),
+        given.get("verifier_quant", _default("verifier_quant")),
+        (*QUANTS, "auto"),
     )
     draft_quant = _choice(
-        label("draft_quant"), given.get("draft_quant", DEFAULT_DRAFT_QUANT), QUANTS
+        label("draft_quant"), given.get("draft_quant", _default("draft_quant")), QUANTS
     )
     options = LoadOptions(
         verifier=_source(label("verifier"), given.get("verifier", defaults[0])),
@@ -135,6 +137,11 @@ def parse_load(
         for key in ("verifier", "draft"):
             _check_gguf_model(label(key), getattr(options, key), f"{label('backend')} ggml")
     return options
+
+
+def _default(key: str) -> object:
+    """A loading option's default where none is given: ``LoadOptions``'s, declared there once."""
+    return LoadOptions.__dataclass_fields__[key].default
 
 
 def _check_gguf_model(name: str, source: ModelSource | None, backend: str) -> None:
