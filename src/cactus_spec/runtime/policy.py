@@ -140,10 +140,10 @@ class Pace:
     def __init__(self) -> None:
         self.factor = 1.0
 
-    def follow(self, measured: float, estimated: float, share: float = _PACE) -> None:
-        """Move by ``share`` of the surprise ``measured / estimated`` (both in seconds)."""
+    def follow(self, measured: float, estimated: float) -> None:
+        """Move by ``_PACE`` of the surprise ``measured / estimated`` (both in seconds)."""
         if measured > 0 and estimated > 0:
-            self.factor *= (measured / estimated) ** share
+            self.factor *= (measured / estimated) ** _PACE
 
 
 class CostTable:
