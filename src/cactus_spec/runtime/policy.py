@@ -278,9 +278,10 @@ class SpeculationPolicy:
             best = self._probe_k(generations, probes)
             return [best * probe if g.spec.auto_k else _fixed_k(g)
                     for g, probe in zip(generations, probes, strict=True)]  # fmt: skip
-        best = _best_k(self.forecast(generations, behind))
         if _plain_tokens(generations) not in self.verify.read:
             best = 0  # plain decoding's cost at this batch is measured before it is beaten
+        else:
+            best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
     def _probe_k(self, generations: Sequence[Generation], probes: Sequence[bool]) -> int:
@@ -315,7 +316,7 @@ class SpeculationPolicy:
         fixed: list[Generation],
     ) -> list[tuple[float, float]]:
         widths = [g.verification.branches for g in auto]
-        fixed_tokens = sum(_fixed_k(g) * g.verification.branches + 1 for g in fixed)
+        fixed_tokens = _plain_tokens(fixed)
         drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
         rows = sum(widths) + sum(drafting)  # rows of one draft step
 
@@ -460,10 +461,9 @@ def _probe_rows(generations: Sequence[Generation], behind: Sequence[int]) -> lis
 
 
 def _plain_tokens(generations: Sequence[Generation]) -> int:
-    """Tokens the verifier reads in an iteration where the rows that leave K open draft none."""
-    return sum(
-        1 if g.spec.auto_k else _fixed_k(g) * g.verification.branches + 1 for g in generations
-    )
+    """Tokens the verifier reads in an iteration where the rows that leave K open draft none
+    (their ``_fixed_k`` is 0) and the others their own K."""
+    return sum(_fixed_k(g) * g.verification.branches + 1 for g in generations)
 
 
 def _best_k(forecast: Sequence[tuple[float, float]]) -> int:
