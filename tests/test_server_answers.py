@@ -164,6 +164,15 @@ def waits_behind_a_long_prompt(model, chunk: int | None) -> tuple[float, float, 
         return _waits(url)
 
 
+def admitted(url: str, tokens: int, timeout_s: float = 60.0) -> None:
+    """Wait until requests of ``tokens`` prompt tokens in all have rows (``/metrics`` counts a
+    prompt when its row is taken, before it is read)."""
+    deadline = time.monotonic() + timeout_s
+    while metrics(url).get("cactus_spec_prompt_tokens_total", 0.0) < tokens:
+        assert time.monotonic() < deadline, f"no row took the {tokens}-token prompt"
+        time.sleep(0.01)
+
+
 def _waits(url: str) -> tuple[float, float, float]:
     long = {"model": MODEL_ID, "prompt": [28] * LONG, "max_tokens": 1}
     took: dict[str, float] = {}
@@ -175,7 +184,7 @@ def _waits(url: str) -> tuple[float, float, float]:
 
     thread = threading.Thread(target=read_long)
     thread.start()
-    time.sleep(1.0)  # the long prompt is being read
+    admitted(url, LONG)  # the long prompt's read has begun: what follows waits behind its rest
     bad = {
         "model": MODEL_ID,
         "messages": [{"role": "user", "content": "hi"}],

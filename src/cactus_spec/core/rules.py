@@ -79,6 +79,9 @@ class Rule:
     lossless: bool = False
     #: True when the rule has a per-position target for block verification.
     verifies_blocks: bool = False
+    #: True when the rule's bound is a KL per position that an answer's budget can set
+    #: position by position (``core.budget``).
+    spends_budget: bool = False
 
     def accept_prob(self, q: Tensor, draft_ids: Tensor, p: Tensor | None) -> Tensor:
         """Probability of accepting ``draft_ids``: q [..., V], ids [...], p [..., V] -> [...]."""
@@ -186,6 +189,7 @@ class Cactus(GeneralizedRule):
     delta: float
     exact: bool = False
     verifies_blocks = True
+    spends_budget = True
 
     def __post_init__(self) -> None:
         valid = _is_number(self.delta) and math.isfinite(self.delta)

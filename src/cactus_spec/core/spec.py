@@ -64,15 +64,15 @@ VERIFICATIONS = ("chain", "block", "tree", "traversal")
 TREES = ("tree", "traversal")
 #: A tree's nodes per depth when none is given.
 DEFAULT_BRANCHES = 2
-#: An answer's divergence budget and how it is spent (Cactus only).
+#: An answer's divergence budget and how it is spent (``BUDGET_METHODS`` only).
 BUDGET_KEYS = ("kl_budget", "allocation")
 #: The spec's own keys (the rest of SPEC_KEYS are method parameters).
 _OWN_KEYS = ("method", "num_draft_tokens", "drafter", "verification", "branches", *BUDGET_KEYS)
 #: Every key a spec mapping may hold: the spec's own and every method parameter.
 SPEC_KEYS = (*_OWN_KEYS, *dict.fromkeys(p.name for m in METHODS.values() for p in m.params))
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
-#: The methods that take ``kl_budget``.
-BUDGET_METHODS = ("cactus",)
+#: The methods that take ``kl_budget``: those whose rule spends one.
+BUDGET_METHODS = tuple(n for n, m in METHODS.items() if m.rule and m.rule.spends_budget)
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,7 @@ def _verification(
 
 
 def _kl_budget(value: object, method: str, text: bool, label: Callable[[str], str]) -> float:
-    """The answer's budget (checked): Cactus only."""
+    """The answer's budget (checked): ``BUDGET_METHODS`` only."""
     name = label("kl_budget")
     if method not in BUDGET_METHODS:
         raise ValueError(f"{name} applies to method {', '.join(BUDGET_METHODS)}, not {method}")
