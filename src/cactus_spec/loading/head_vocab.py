@@ -11,7 +11,8 @@ sources (code with English docstrings and comments, about 12 MB, files in sorted
 test suites left out), tokenised by the draft's tokenizer; tokens never seen there follow in
 the order of their ids, which for a BPE vocabulary is the order of its merges, the tokenizer's
 own frequency ranking. Special and added tokens (EOS, the chat template's) are always kept.
-The ranking is computed once per tokenizer (~30 s) and cached under the cache root.
+The ranking is computed once per tokenizer (it reads all of those sources) and cached under
+the cache root.
 """
 
 from __future__ import annotations

@@ -345,7 +345,7 @@ constexpr int64_t kFloat32Tokens = 32;
 // scaled_dot_product_attention (its CPU kernel is blocked and flash-style: it reads each block
 // of keys once per block of queries, where attend reads every key once per query) in bfloat16,
 // the row's queries, keys and values rounded to it, a float32 cache's too: the kernel runs
-// about 3x faster in bfloat16 than in float32 here, and the rounding leaves the int8
+// faster in bfloat16 than in float32, and the rounding leaves the int8
 // verifier's law no further from the bfloat16 model's (docs/RESULTS.md, "Prompt reads"). A
 // feed from slot 0 is causal as the kernel means it; a later one sees its cached slots
 // through a mask.
