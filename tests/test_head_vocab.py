@@ -13,7 +13,7 @@ from test_smollm import assert_same_greedy_tokens
 
 from cactus_spec.backends.lean import LeanBackend, LeanModel
 from cactus_spec.core.rules import SpS
-from cactus_spec.core.sampling import SamplingConfig
+from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading import head_vocab
 from cactus_spec.loading.head_vocab import head_tokens, restrict_head
@@ -80,11 +80,12 @@ def test_truncated_head_logits_are_the_full_heads_at_its_ids(smollm_path, tokeni
     assert cut.model.get_input_embeddings().weight.shape[0] == 49152
 
 
-def _tiny_pair(kept: int):
-    """A tiny verifier, and a noisy copy drafting through a head of its first ``kept`` ids."""
+def _tiny_pair(kept: int, ids: torch.Tensor | None = None):
+    """A tiny verifier, and a noisy copy drafting through a head of its first ``kept`` ids
+    (or of ``ids``)."""
     target = make_tiny_lm(vocab_size=32, seed=6)
     draft = noisy_copy(target, 1.0, seed=7)
-    ids = torch.arange(kept)
+    ids = torch.arange(kept) if ids is None else ids
     restrict_head(draft, ids)
     return target, LoadedModel(draft, None, "tiny-draft", None, head_tokens=ids)
 
@@ -98,6 +99,50 @@ def test_drafts_stay_inside_the_head() -> None:
     assert set(proposed.tokens) <= set(range(12))
     assert bool((proposed.probs[:, 12:] == 0).all())
     torch.testing.assert_close(proposed.probs.sum(-1), torch.ones(40))
+
+
+#: Configs a head of 12 holds (greedy, a top-k below 12) and configs it does not.
+_CONFIGS = (
+    SamplingConfig(top_k=5),
+    SamplingConfig(temperature=0),
+    SamplingConfig(temperature=1.3, top_k=11, top_p=0.8, min_p=0.05),
+    SamplingConfig(temperature=1.2, top_k=12, top_p=0.9),
+    SamplingConfig(temperature=0.9, top_k=0, top_p=0.9),
+    SamplingConfig(temperature=1.1, top_k=25, top_p=1.0),
+)
+
+
+def _drafted_together(drafter: ModelDrafter, whole_vocabulary: bool, sharpen: float = 1.0):
+    """Each config's chain of 6 drafted for two rows, all of them in one proposal; with
+    ``whole_vocabulary`` every row through a ``process`` (the head's logits placed in the
+    vocabulary, processed alone), ``sharpen`` scaling that process's logits."""
+
+    def alone(sampling: SamplingConfig):
+        return lambda logits, _: logits_to_probs(logits * sharpen, sampling)
+
+    asks = []
+    for row, sampling in enumerate(_CONFIGS * 2):
+        process = alone(sampling) if whole_vocabulary else None
+        g = torch.Generator().manual_seed(row)
+        asks.append(DraftRequest(row, [5, 17, 3, row], 6, sampling, g, process))
+    drafter.reset()
+    return drafter.propose(asks)
+
+
+def test_rows_drafted_together_on_the_head_are_each_rows_whole_vocabulary_draft() -> None:
+    """Rows that only sample are processed together on the head's logits where their config
+    allows it; every row's tokens and p then have the bits of its draft through the whole
+    vocabulary, alone. The control: a process that changes the logits changes p."""
+    _, draft = _tiny_pair(12, torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 20, 21, 26, 31]))
+    backend = LeanBackend(LeanModel(draft.model), batch=2 * len(_CONFIGS))
+    drafter = ModelDrafter(backend, 32, draft.head_tokens)
+    head = _drafted_together(drafter, whole_vocabulary=False)
+    whole = _drafted_together(drafter, whole_vocabulary=True)
+    for ours, alone in zip(head, whole, strict=True):
+        assert ours.tokens == alone.tokens
+        assert torch.equal(ours.probs, alone.probs)
+    sharper = _drafted_together(drafter, whole_vocabulary=True, sharpen=1.01)
+    assert not all(torch.equal(a.probs, b.probs) for a, b in zip(whole, sharper, strict=True))
 
 
 def test_sps_through_a_truncated_head_keeps_the_verifiers_law() -> None:

@@ -134,7 +134,8 @@ def step_divergences(p: Tensor, q: Tensor, rule: Rule) -> Tensor:
     out = torch.full(q.shape[:-1], float("nan"), dtype=torch.float64, device=q.device)
     if not bool(narrow.any()):
         return out
-    p, q = p[narrow], q[narrow]  # [N, V]
+    if not bool(narrow.all()):
+        p, q = p[narrow], q[narrow]  # [N, V]
     # each row's positive tokens, padded with zeros of q, in vocabulary order
     columns = q.topk(int(sizes[narrow].max()), -1).indices.sort(-1).values  # [N, S]
     q_in = q.gather(-1, columns)

@@ -205,9 +205,10 @@ class ModelDrafter:
             feeds = [pending[i] for i in active]
             rows_fed = [requests[i].row for i in active]
             logits = self.backend.append_ragged(feeds, rows_fed, last_only=True)
-            for i, row_logits in zip(active, logits, strict=True):
+            step = self._next_probs([requests[i] for i in active], [tokens[i] for i in active],
+                                    [row_logits[-1:] for row_logits in logits])  # fmt: skip
+            for i, probs in zip(active, step, strict=True):
                 r = requests[i]
-                probs = r.probs(self._full_row(row_logits[-1:]), tokens[i])  # [1, V]
                 token = draw(probs, r.sampling.greedy, r.generator)
                 rows[i].append(probs)
                 tokens[i].append(token)
@@ -253,6 +254,49 @@ class ModelDrafter:
         for (t, nodes), node_logits in zip(fed, logits, strict=True):
             for i, j in enumerate(nodes):
                 t.see(j, self._full_row(node_logits[i : i + 1]))
+
+    def _next_probs(
+        self, requests: Sequence[DraftRequest], drafted: Sequence[list[int]], logits: list[Tensor]
+    ) -> list[Tensor]:
+        """p [1, V] of each request's next draft from its head's logits [1, N]. Rows that only
+        sample (no ``process``) at one sampling config are processed together, on the head's
+        logits where the config keeps only tokens the head holds (greedy, or a top-k below N,
+        which takes the top-k path: the distribution over the whole vocabulary with -inf off
+        the head, ties broken alike since the head's ids ascend), then placed at the head's
+        ids; the others alone over the whole vocabulary. Each row's p has the bits it has
+        alone."""
+        out: list[Tensor | None] = [None] * len(requests)
+        together: dict[SamplingConfig, list[int]] = {}
+        for j, r in enumerate(requests):
+            if r.process is None and self._on_head(r.sampling):
+                together.setdefault(r.sampling, []).append(j)
+            else:
+                out[j] = r.probs(self._full_row(logits[j]), drafted[j])
+        for sampling, members in together.items():
+            head_logits = torch.cat([logits[j][:, : self._width] for j in members])  # [A, N]
+            placed = self._placed(logits_to_probs(head_logits, sampling))  # [A, V]
+            for a, j in enumerate(members):
+                out[j] = placed[a : a + 1]
+        return out  # type: ignore[return-value]  # every row is in one of the two
+
+    def _on_head(self, sampling: SamplingConfig) -> bool:
+        """Whether ``sampling`` gives the head's logits the distribution it gives the whole
+        vocabulary's with -inf off the head (any config for a whole head)."""
+        if self.head is None:
+            return True
+        return sampling.greedy or 0 < sampling.top_k < self._width
+
+    @property
+    def _width(self) -> int:
+        """N, the tokens the head's logits stand for."""
+        return self.vocab_size if self.head is None else len(self.head)
+
+    def _placed(self, probs: Tensor) -> Tensor:
+        """Distributions [A, N] over the head's ids as rows [A, V] over the vocabulary."""
+        if self.head is None:
+            return probs
+        rows = probs.new_zeros((probs.shape[0], self.vocab_size))  # [A, V]
+        return rows.index_copy_(1, self.head, probs)
 
     def _full_row(self, logits: Tensor) -> Tensor:
         """Logits [1, V] over the whole vocabulary: a truncated head's [1, N] placed at its

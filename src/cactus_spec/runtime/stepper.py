@@ -233,7 +233,7 @@ class Stepper:
                 k,
                 g.sampling,
                 g.generator,
-                g.process,
+                g.process if g.processes_drafts else None,  # None: the sampling alone
                 stop,
                 g.verification.branches,
                 g.allowed,
