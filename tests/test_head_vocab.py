@@ -129,13 +129,16 @@ def _drafted_together(drafter: ModelDrafter, whole_vocabulary: bool, sharpen: fl
     return drafter.propose(asks)
 
 
-def test_rows_drafted_together_on_the_head_are_each_rows_whole_vocabulary_draft() -> None:
+@pytest.mark.parametrize("cut", [True, False], ids=["cut-head", "whole-head"])
+def test_rows_drafted_together_on_the_head_are_each_rows_whole_vocabulary_draft(cut) -> None:
     """Rows that only sample are processed together on the head's logits where their config
-    allows it; every row's tokens and p then have the bits of its draft through the whole
-    vocabulary, alone. The control: a process that changes the logits changes p."""
-    _, draft = _tiny_pair(12, torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 20, 21, 26, 31]))
+    allows it (every config for a whole head); every row's tokens and p then have the bits
+    of its draft through the whole vocabulary, alone. The control: a process that changes
+    the logits changes p."""
+    ids = torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 20, 21, 26, 31]) if cut else None
+    _, draft = _tiny_pair(32, ids)
     backend = LeanBackend(LeanModel(draft.model), batch=2 * len(_CONFIGS))
-    drafter = ModelDrafter(backend, 32, draft.head_tokens)
+    drafter = ModelDrafter(backend, 32, ids)
     head = _drafted_together(drafter, whole_vocabulary=False)
     whole = _drafted_together(drafter, whole_vocabulary=True)
     for ours, alone in zip(head, whole, strict=True):

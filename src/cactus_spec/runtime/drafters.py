@@ -205,8 +205,9 @@ class ModelDrafter:
             feeds = [pending[i] for i in active]
             rows_fed = [requests[i].row for i in active]
             logits = self.backend.append_ragged(feeds, rows_fed, last_only=True)
-            step = self._next_probs([requests[i] for i in active], [tokens[i] for i in active],
-                                    [row_logits[-1:] for row_logits in logits])  # fmt: skip
+            asked = [requests[i] for i in active]
+            last = [row_logits[-1:] for row_logits in logits]  # [1, N] each
+            step = self._next_probs(asked, [tokens[i] for i in active], last)
             for i, probs in zip(active, step, strict=True):
                 r = requests[i]
                 token = draw(probs, r.sampling.greedy, r.generator)
