@@ -194,7 +194,8 @@ def test_a_request_failing_at_decode_time_leaks_nothing_to_its_neighbour(fuel_se
     body = {
         "model": MODEL_ID,
         "messages": [{"role": "user", "content": "secret"}],
-        "max_tokens": 8,
+        "max_tokens": 32,  # room for whitespace before the string (it can take 8 tokens)
+        "seed": 0,
         "response_format": schema,
     }
     status, error = _post(url, "chat/completions", body)
