@@ -17,6 +17,7 @@ and a whole verified block is audited in one batched call (``step_divergences``)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -85,15 +86,24 @@ def tv(a: Tensor, b: Tensor) -> Tensor:
 MAX_AUDIT_SUPPORT = 4096
 
 
-def _columns(mask: Tensor) -> Tensor:
-    """The tokens where any row of ``mask`` [..., V] is true -> [S], sorted."""
-    return mask.reshape(-1, mask.shape[-1]).any(0).nonzero().squeeze(-1)
+def support(*dists: Tensor | None, ids: Sequence[int] = ()) -> Tensor:
+    """The tokens [S], sorted, where any row of any of ``dists`` [..., V] (None: none) is
+    positive, and ``ids``. Rows are added (probabilities: a sum is positive where a term is),
+    one pass each over V, cheaper than comparing them."""
+    given = [d for d in dists if d is not None]
+    wide = any(d.dtype == torch.float64 for d in given)  # its smallest positives stay positive
+    mass = given[0].new_zeros(given[0].shape[-1], dtype=torch.float64 if wide else torch.float32)
+    for d in given:
+        for row in d.reshape(-1, d.shape[-1]):
+            mass += row  # [V]
+    mass[list(ids)] = 1.0
+    return mass.nonzero().squeeze(-1)
 
 
 def restrict_to_support(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
     """p and q [..., V] restricted to the tokens where any row of either is positive -> [..., S]."""
-    support = _columns((p > 0) | (q > 0))  # [S]
-    return p[..., support], q[..., support]
+    columns = support(p, q)  # [S]
+    return p[..., columns], q[..., columns]
 
 
 def lump_outside_q(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +117,7 @@ def lump_outside_q(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
     and the law outside supp(q) is the lumped token's. A draft with full support (vLLM's draft
     probabilities have no top-k) is then audited on the verifier's support alone.
     """
-    return _lump(p, q, _columns(q > 0))
+    return _lump(p, q, support(q))
 
 
 def _lump(p: Tensor, q: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:

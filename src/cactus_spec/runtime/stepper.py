@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from cactus_spec.backends.base import Backend, read_in_pieces
+from cactus_spec.core.audit import support
 from cactus_spec.core.sampling import draw
 from cactus_spec.core.tree_verification import ROOT
 from cactus_spec.runtime.drafters import Draft, Drafter, DraftRequest
@@ -314,10 +315,13 @@ def _keep(
     kind's judged rows (its targets on blocks and trees) and metered; the rest against q."""
     kind, rule = g.verification, g.spec.rule
     metered = bool(draft.tokens) and not g.sampling.greedy and not g.spec.lossless
+    full_q = q
     if draft.tokens:
         assert rule is not None  # a row drafts only by a method that drafts
-        judged = kind.judged_rows(rule, draft, q) if metered else q  # [K+1, V]
-        tokens, path = kind.judge(rule, draft, judged, g.generator, g.sampling.greedy)
+        columns, q, draft = _on_support(q, draft)  # [S]; q [K+1, S]
+        judged = kind.judged_rows(rule, draft, q) if metered else q  # [K+1, S]
+        numbered, path = kind.judge(rule, draft, judged, g.generator, g.sampling.greedy)
+        tokens = columns[numbered].tolist()
     else:
         judged, tokens, path = q, [draw(q[-1:], g.sampling.greedy, g.generator)], []
     accepted = len(tokens) - 1
@@ -325,7 +329,7 @@ def _keep(
         verifier.commit_path(path_rows(path), g.row)
     else:
         verifier.rollback(length + 1 + accepted, g.row)
-    count = g.emit(tokens, kind.emitted_rows(q, path) if draft.tokens else q)
+    count = g.emit(tokens, kind.emitted_rows(full_q, path) if draft.tokens else q)
     g.stats.record(draft.depth, accepted, count)
     if metered:
         assert rule is not None  # metered: a lossy rule
@@ -334,3 +338,16 @@ def _keep(
         g.stats.kl_nats += float(divergence.sum())
         g.stats.time_audit_s += time.perf_counter() - start
     return count, accepted
+
+
+def _on_support(q: Tensor, draft: Draft) -> tuple[Tensor, Tensor, Draft]:
+    """A row's q [K+1, V] and draft cut to the tokens q's rows, the draft's rows and its tokens
+    hold (``audit.support``): every rule's acceptance, residual, target and law lie there.
+    Returns the tokens [S], q [K+1, S] and the draft over them (its tokens numbered among
+    them). The columns keep vocabulary order, so an inverse-CDF draw adds the same masses in
+    the same order and picks the same token; judging and the meter cost O(S) per position
+    rather than O(V) (S <= (2K + 1) k under top-k)."""
+    columns = support(q, draft.probs, ids=draft.tokens)  # [S]
+    numbered = torch.searchsorted(columns, torch.tensor(draft.tokens, device=q.device))
+    probs = None if draft.probs is None else draft.probs[:, columns]  # [K, S]
+    return columns, q[:, columns], Draft(numbered.tolist(), probs, draft.parents)
