@@ -401,7 +401,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(one: Served) -> None
         prompt=PROMPTS[2],
         max_tokens=2000,
         stream=True,
-        extra_body={"speculative": SPECULATIVE},
+        extra_body={"speculative": SPECULATIVE, "ignore_eos": True},  # it must still run
     )
     for _ in zip(range(3), stream, strict=False):
         pass
@@ -420,7 +420,11 @@ def test_a_full_queue_answers_429(smollm) -> None:
     server = Served(smollm, "model", policy="fixed", max_batch=1, max_queue=1)
     try:
         running = server.client.completions.create(
-            model=MODEL_ID, prompt=PROMPTS[0], max_tokens=2000, stream=True
+            model=MODEL_ID,
+            prompt=PROMPTS[0],
+            max_tokens=2000,
+            stream=True,
+            extra_body={"ignore_eos": True},  # it holds the row until closed
         )
         next(iter(running))  # the first request holds the only row
         waiting = threading.Thread(target=complete, args=(server, PROMPTS[1], 1))
@@ -548,7 +552,8 @@ def test_the_api_key_scheme_is_case_blind_and_a_non_ascii_key_is_utf8(smollm) ->
 def test_a_client_that_leaves_a_whole_answer_frees_its_row(one: Served) -> None:
     """Not streaming: the client closes its socket while the answer is being decoded."""
     cancelled = one.metric('requests_total{outcome="cancelled"}')
-    body = json.dumps({"model": MODEL_ID, "prompt": PROMPTS[2], "max_tokens": 6000}).encode()
+    request = {"model": MODEL_ID, "prompt": PROMPTS[2], "max_tokens": 6000, "ignore_eos": True}
+    body = json.dumps(request).encode()
     host, port = one.url.removeprefix("http://").split(":")
     client = socket.create_connection((host, int(port)))
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -643,7 +648,8 @@ def test_the_head_deadline_ends_with_the_head(strict) -> None:
     """An answer that takes longer than the head's 0.5 s is not cut, and the connection then
     serves another request."""
     connection = http.client.HTTPConnection(strict, timeout=60)
-    body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 100, "stream": True}
+    body = {"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
+    body["ignore_eos"] = True  # all 400 tokens: well past 0.5 s on any CPU
     began = time.monotonic()
     connection.request("POST", "/v1/completions", body=json.dumps(body))
     response = connection.getresponse()
