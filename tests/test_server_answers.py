@@ -238,7 +238,8 @@ def test_an_answer_says_how_fast_its_prompt_was_read(one: Served) -> None:
     but the last (the first iteration reads it) and the cached ones, so the same prompt sent
     again reads only what its row did not hold; ``/metrics`` adds the same counts. Streamed,
     the usage chunk carries them too."""
-    body = {"model": MODEL_ID, "prompt": [3000 + i % 50 for i in range(300)], "max_tokens": 4}
+    prompt = [3000 + i % 50 for i in range(300)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}  # 4 tokens
     url = f"{one.url}/v1/completions"
     before = metrics(one.url)
     answers = [strict_loads(post_text(url, body)[1]) for _ in range(2)]
