@@ -40,6 +40,26 @@ $(PEERS_STAMP): $(STAMP)
 		-e '.[dev,bench,peers]'
 	touch $@
 
+# llama.cpp's library built for one level (make ggml-avx2, ggml-avx512, ggml-portable) from the
+# pinned binding's own sources: a process held to that level (CACTUS_SPEC_ISA) loads it for the
+# ggml backend (backends/ggml.py), as llama-server is built per level for the benchmarks. About
+# 2-3 minutes on 2 cores; into $$CACTUS_SPEC_CACHE/ggml/LEVEL (default ~/.cache/cactus-spec).
+LLAMA_CPP_PY := $(shell grep '^llama_cpp_python==' constraints.txt | cut -d= -f3)
+GGML_LEVEL_avx2 := -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+GGML_LEVEL_avx512 := $(GGML_LEVEL_avx2) -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+GGML_LEVEL_portable :=
+GGML_CACHE = $${CACTUS_SPEC_CACHE:-$$HOME/.cache/cactus-spec}/ggml
+ggml-%: $(STAMP)
+	rm -rf build/ggml-$* && mkdir -p build/ggml-$*
+	$(PIP) download -q --no-deps --no-binary :all: -d build/ggml-$* llama_cpp_python==$(LLAMA_CPP_PY)
+	tar xzf build/ggml-$*/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C build/ggml-$*
+	cmake -S build/ggml-$*/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp -B build/ggml-$*/out \
+		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON \
+		-DGGML_NATIVE=OFF $(GGML_LEVEL_$*) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF > build/ggml-$*/cmake.log
+	cmake --build build/ggml-$*/out -j2 --target llama > build/ggml-$*/build.log
+	mkdir -p $(GGML_CACHE)/$* && cp -P build/ggml-$*/out/bin/*.so* $(GGML_CACHE)/$*/
+
 # vLLM's CPU build in its own environment for the plugin's tests (cactus_spec.integrations.vllm):
 # it pins transformers below constraints.txt's. Its torchvision, torchaudio and torchcodec
 # fail to import beside the CPU torch ('operator torchvision::nms does not exist') and are

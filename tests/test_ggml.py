@@ -13,6 +13,9 @@ backend and what it reads, before anything loads.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 from conftest import AR, make_tiny_lm, need_llama_cpp
 from test_engine import chi_square_p_value, sampled_pairs
 
+from cactus_spec.backends.ggml import build_level as ggml_build_level
 from cactus_spec.cli import main
 from cactus_spec.core.sampling import SamplingConfig, logits_to_probs
 from cactus_spec.core.spec import DecodeSpec
@@ -336,3 +340,49 @@ def test_trees_and_a_bad_backend_are_refused_on_the_command_line(capsys) -> None
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--backend", "gml"])
     assert "invalid choice: 'gml'" in capsys.readouterr().err
+
+
+# --- the level llama.cpp's kernels run at -----------------------------------------------
+
+
+def test_the_installed_build_runs_the_cpus_own_level_and_a_held_process_refuses_it(
+    gguf_path: Path, tmp_path
+) -> None:
+    """``make peers`` builds llama.cpp for this CPU (without AMX, ``Makefile``), so its system
+    info reads the CPU's own level; a process held below it, with no build for the held level
+    (an empty cache), refuses to load the GGUF and names both levels, while a process held at
+    the build's own level loads it (the control: the refusal is the level's, not the file's)."""
+    from cactus_spec import isa
+    from cactus_spec.backends import ggml
+
+    levels = [level for level in isa.available() if level != "amx"]
+    if not levels:
+        pytest.skip("not an x86 CPU: llama.cpp's level is its own")
+    built = ggml.build_level(ggml._library().llama_print_system_info().decode())
+    assert built == levels[0]
+    below = isa.ISAS[isa.ISAS.index(built) + 1]
+    held = _load_held(gguf_path, below, tmp_path)
+    assert held.returncode != 0
+    assert f"CACTUS_SPEC_ISA={below}, but llama.cpp's library runs {built}" in held.stderr
+    assert f"make ggml-{below}" in held.stderr
+    same = _load_held(gguf_path, built, tmp_path)
+    assert same.returncode == 0, same.stderr
+
+
+def _load_held(path: Path, level: str, cache: Path) -> subprocess.CompletedProcess:
+    """``load_model(path, backend="ggml")`` in a process held to ``level``, its cache (where
+    held builds live) ``cache``, no LLAMA_CPP_LIB_PATH."""
+    env = {**os.environ, "CACTUS_SPEC_CACHE": str(cache), "CACTUS_SPEC_ISA": level}
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    load = "import sys; from cactus_spec.loading.models import load_model; "
+    load += "load_model(sys.argv[1], backend='ggml')"
+    command = [sys.executable, "-c", load, str(path)]
+    return subprocess.run(command, env=env, capture_output=True, text=True)
+
+
+def test_a_build_level_is_its_highest_x86_features() -> None:
+    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 0 | OPENMP = 1"
+    assert ggml_build_level(info) == "avx2"
+    assert ggml_build_level(info.replace("AVX512 = 0", "AVX512 = 1")) == "avx512"
+    assert ggml_build_level(info + " | AMX_INT8 = 1") == "amx"
+    assert ggml_build_level("CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1") == "portable"

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+import re
 import sys
 import weakref
 from functools import cache
@@ -33,7 +35,9 @@ import torch
 from gguf import LlamaFileType
 from torch import Tensor
 
+from cactus_spec import isa
 from cactus_spec.backends.lean import DEFAULT_CONTEXT
+from cactus_spec.paths import cache_dir
 
 __all__ = ["INSTALL_HINT", "GgmlBackend", "GgufModel", "available", "ggml_kernel"]
 
@@ -51,17 +55,50 @@ def available() -> bool:
 def ggml_kernel() -> str:
     """llama.cpp's build and the CPU features its kernels use (results that depend on them
     record it)."""
+    lib = _library()  # first: it chooses which build the binding loads
     from llama_cpp import __version__
 
-    features = _library().llama_print_system_info().decode().strip(" |")
+    features = lib.llama_print_system_info().decode().strip(" |")
     return f"llama.cpp (llama-cpp-python {__version__}), {features}"
+
+
+def held_build(level: str) -> Path:
+    """Where ``make ggml-LEVEL`` puts a llama.cpp build for ``level`` (``isa.ISAS``)."""
+    return cache_dir() / "ggml" / level
+
+
+def build_level(system_info: str) -> str:
+    """The level (``isa.ISAS``) a llama.cpp build's kernels run at, from its system info
+    ("CPU : SSE3 = 1 | ... | AVX2 = 1 | AVX512 = 1 | ..."): the highest x86 level whose
+    features it reports on, ``portable`` with none of them."""
+    on = set(re.findall(r"([A-Z0-9_]+) = 1", system_info))
+    if "AMX_INT8" in on:
+        return "amx"
+    if "AVX512" in on:
+        return "avx512"
+    return "avx2" if "AVX2" in on else "portable"
 
 
 @cache
 def _library() -> ModuleType:
-    """llama.cpp's low-level API, its backend initialised once, its log held to errors."""
+    """llama.cpp's low-level API, its backend initialised once, its log held to errors.
+
+    A process held to a level (``CACTUS_SPEC_ISA``) loads the build ``make ggml-LEVEL`` made
+    for it, unless ``LLAMA_CPP_LIB_PATH`` names another, and refuses (ValueError, before any
+    model loads) a build whose kernels run above the level: llama.cpp picks its kernels when
+    it is built, so held to AVX2 it would otherwise run AVX512 ones."""
+    held = isa.chosen()
+    if held != "native" and held_build(held).is_dir():
+        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(held_build(held)))
     from llama_cpp import llama_cpp as lib
 
+    built = build_level(lib.llama_print_system_info().decode())
+    if held != "native" and isa.ISAS.index(built) < isa.ISAS.index(held):
+        raise ValueError(
+            f"backend ggml: CACTUS_SPEC_ISA={held}, but llama.cpp's library runs {built} "
+            f"kernels; build one for {held} (make ggml-{held}, into {held_build(held)}) or "
+            "point LLAMA_CPP_LIB_PATH at one"
+        )
     lib.llama_log_set(_errors_only(lib), None)
     lib.llama_backend_init()
     return lib
