@@ -312,29 +312,29 @@ def _keep(
     """Judge the row's drafts by its kind (``g.verification``), keep the accepted ones in the
     verifier's cache, emit them with the row's own token and meter them: (tokens emitted,
     drafts accepted). A lossy rule's drafts away from temperature 0 are judged against the
-    kind's judged rows (its targets on blocks and trees) and metered; the rest against q."""
+    kind's judged rows (its targets on blocks and trees) and metered; the rest against q. A row
+    that drafted is judged and metered on its support (``_on_support``)."""
     kind, rule = g.verification, g.spec.rule
     metered = bool(draft.tokens) and not g.sampling.greedy and not g.spec.lossless
-    full_q = q
     if draft.tokens:
         assert rule is not None  # a row drafts only by a method that drafts
-        columns, q, draft = _on_support(q, draft)  # [S]; q [K+1, S]
-        judged = kind.judged_rows(rule, draft, q) if metered else q  # [K+1, S]
-        numbered, path = kind.judge(rule, draft, judged, g.generator, g.sampling.greedy)
+        columns, cut_q, cut = _on_support(q, draft)  # [S]; [K+1, S]; the draft over them
+        judged = kind.judged_rows(rule, cut, cut_q) if metered else cut_q  # [K+1, S]
+        numbered, path = kind.judge(rule, cut, judged, g.generator, g.sampling.greedy)
         tokens = columns[numbered].tolist()
     else:
-        judged, tokens, path = q, [draw(q[-1:], g.sampling.greedy, g.generator)], []
+        tokens, path = [draw(q[-1:], g.sampling.greedy, g.generator)], []
     accepted = len(tokens) - 1
     if trees:
         verifier.commit_path(path_rows(path), g.row)
     else:
         verifier.rollback(length + 1 + accepted, g.row)
-    count = g.emit(tokens, kind.emitted_rows(full_q, path) if draft.tokens else q)
+    count = g.emit(tokens, kind.emitted_rows(q, path) if draft.tokens else q)
     g.stats.record(draft.depth, accepted, count)
     if metered:
         assert rule is not None  # metered: a lossy rule
         start = time.perf_counter()
-        divergence = kind.divergence(rule, draft, q, judged, path, count)  # [P]
+        divergence = kind.divergence(rule, cut, cut_q, judged, path, count)  # [P]
         g.stats.kl_nats += float(divergence.sum())
         g.stats.time_audit_s += time.perf_counter() - start
     return count, accepted
