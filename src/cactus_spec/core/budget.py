@@ -49,7 +49,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cactus_spec.core.audit import acceptance_prob, kl, one_hot_divergences, step_divergences
+from cactus_spec.core.audit import (
+    acceptance_prob,
+    kl,
+    one_hot_divergences,
+    step_divergences,
+    support,
+)
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.core.sampling import one_hot
 from cactus_spec.core.tree_verification import ROOT, TokenTree
@@ -117,9 +123,9 @@ class Budget:
             left = max(0.0, self.left - before[node])
             p_row = None if p is None else p[first]
             n = torch.tensor(tree.tokens[first], device=q.device)
-            support = Support.of(q[row], n, p_row)
-            allowed = self._allowance(left, len(tree.path(node)), support, block)
-            fit = self._fit(support, self._first_delta(allowed), allowed, block)
+            cut = Support.of(q[row], n, p_row)
+            allowed = self._allowance(left, len(tree.path(node)), cut, block)
+            fit = self._fit(cut, self._first_delta(allowed), allowed, block)
             deltas[row], targets[row], costs[row] = fit
             for kid in kids:
                 before[kid] = before[node] + costs[row]
@@ -211,9 +217,7 @@ class Support:
     @classmethod
     def of(cls, q: Tensor, n: Tensor, p: Tensor | None) -> Support:
         """The row of q [V] with draft n [] drawn from p [V] (None: deterministic)."""
-        keep = q > 0 if p is None else (q > 0) | (p > 0)  # [V]
-        keep[n] = True
-        columns = keep.nonzero().squeeze(-1)  # [S]
+        columns = support(q, p, ids=[int(n)])  # [S]
         p_s = None if p is None else p[columns].float()
         return cls(q[columns].float(), p_s, torch.searchsorted(columns, n), columns, q.float())
 
