@@ -42,6 +42,21 @@ void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float e
   });
 }
 
+// gate[i] = silu(gate[i]) up[i] = gate[i] / (1 + e^-gate[i]) up[i] for n values, kLanes at a
+// time (exp_lanes); a last few are padded to kLanes in a copy (each value's bits do not depend
+// on where it falls), the rest read in place (copies through the stack cost 5x the arithmetic).
+void silu_times(float* gate, const float* up, int64_t n) {
+  auto lanes = [](Lanes g, Lanes u) { return g / (1.0f + exp_lanes(-g)) * u; };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_lanes(gate + i, lanes(load_lanes(gate + i), load_lanes(up + i)));
+  if (i == n) return;
+  float g[kLanes] = {}, u[kLanes] = {};
+  std::copy_n(gate + i, n - i, g);
+  std::copy_n(up + i, n - i, u);
+  store_lanes(g, lanes(load_lanes(g), load_lanes(u)));
+  std::copy_n(g, n - i, gate + i);
+}
+
 // n floats left uninitialised: a block's buffers, each written whole before it is read.
 std::unique_ptr<float[]> scratch(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
@@ -452,11 +467,7 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   rows_in = Kernel::input(normed.get(), m, e, w[kGate]);
   Kernel::products(rows_in, w[kGate], gate.get());
   Kernel::products(rows_in, w[kUp], up.get());
-  for_rows(m, inner, [&](int64_t r) {
-    for (int64_t i = r * inner; i < (r + 1) * inner; ++i) {
-      gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    }
-  });
+  for_rows(m, inner, [&](int64_t r) { silu_times(gate.get() + r * inner, up.get() + r * inner, inner); });
   Kernel::products(Kernel::input(gate.get(), m, inner, w[kDown]), w[kDown], down.get());
   for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += down[i];

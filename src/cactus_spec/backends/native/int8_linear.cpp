@@ -262,16 +262,22 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
 #endif
-    int32_t dots[16][kOutTile];
+    int32_t dots[32][kOutTile];
     for (int64_t s = begin; s < end; ++s) {
       const int8_t* stripe = weight + s * kOutTile * rows.k4;
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      for (int64_t r0 = 0; r0 < m; r0 += step) {
-        const int count = static_cast<int>(std::min<int64_t>(step, m - r0));
+      for (int64_t r0 = 0; r0 < m;) {
+        const bool pair = amx && m - r0 > 16;  // two tiles of rows (step is 16 then)
+        const int count = static_cast<int>(std::min<int64_t>(pair ? 32 : step, m - r0));
 #ifdef CACTUS_AMX
         if (amx) {
           const auto* weights = reinterpret_cast<const uint8_t*>(stripe);
-          amx_stripe</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, rows.k4, weights, dots);
+          const uint8_t* tiles = rows.u.data() + r0 * rows.k4;
+          if (pair) {
+            amx_stripe_pair</*kBf16=*/false>(tiles, rows.k4, weights, dots);
+          } else {
+            amx_stripe</*kBf16=*/false>(tiles, rows.k4, weights, dots);
+          }
         }
 #endif
         if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
@@ -283,6 +289,7 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
             y_row[j] = sc[n0 + j] * (step_r * centred + mid * sums[n0 + j]) + (b ? b[n0 + j] : 0.0f);
           }
         }
+        r0 += count;
       }
     }
 #ifdef CACTUS_AMX
