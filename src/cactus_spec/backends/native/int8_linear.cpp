@@ -218,6 +218,29 @@ void row_codes(const float* row, int64_t k, float low, float inv, uint8_t* out) 
   for (; i < k; ++i) out[i] = static_cast<uint8_t>(std::min(255.0f, (row[i] - low) * inv + 0.5f));
 }
 
+float as_float(int32_t v) { return static_cast<float>(v); }
+Lanes as_float(IntLanes v) { return __builtin_convertvector(v, Lanes); }
+
+// y[j] = scale[j] (step (dot[j] - 128 sums[j]) + mid sums[j]) + bias[j] for j < width, a row's
+// outputs from its sums (see the header; the dots already centred where kCentredDots), kLanes
+// at a time then one by one: the same operations in the same order, so the same bits.
+void outputs(const int32_t* dot, int64_t width, float step, float mid, const float* scale,
+             const int32_t* sums, const float* bias, float* y) {
+  auto value = [&](auto d, auto code_sum, auto s, auto b) {
+    const auto centred = kCentredDots ? d : d - 128 * code_sum;
+    return s * (step * as_float(centred) + mid * as_float(code_sum)) + b;
+  };
+  int64_t j = 0;
+  for (; j + kLanes <= width; j += kLanes) {
+    IntLanes d, code_sum;
+    std::memcpy(&d, dot + j, sizeof d);
+    std::memcpy(&code_sum, sums + j, sizeof code_sum);
+    const Lanes b = bias ? load_lanes(bias + j) : Lanes{};
+    store_lanes(y + j, value(d, code_sum, load_lanes(scale + j), b));
+  }
+  for (; j < width; ++j) y[j] = value(dot[j], sums[j], scale[j], bias ? bias[j] : 0.0f);
+}
+
 }  // namespace
 
 // Each row of x [M, K] to uint8 codes on its own range (see the header).
@@ -282,12 +305,8 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
 #endif
         if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
         for (int r = 0; r < count; ++r) {
-          const float step_r = rows.step[r0 + r], mid = rows.mid[r0 + r];
-          float* y_row = out + (r0 + r) * n + n0;
-          for (int64_t j = 0; j < width; ++j) {
-            const int32_t centred = kCentredDots ? dots[r][j] : dots[r][j] - 128 * sums[n0 + j];
-            y_row[j] = sc[n0 + j] * (step_r * centred + mid * sums[n0 + j]) + (b ? b[n0 + j] : 0.0f);
-          }
+          outputs(dots[r], width, rows.step[r0 + r], rows.mid[r0 + r], sc + n0, sums + n0,
+                  b ? b + n0 : nullptr, out + (r0 + r) * n + n0);
         }
         r0 += count;
       }
