@@ -50,13 +50,18 @@ inline void prefetch_rows(const uint8_t* at, int64_t row_bytes) {
   for (int r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(at + r * row_bytes), _MM_HINT_T0);
 }
 
-template <bool kBf16>
-void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, void* sums) {
-  const int64_t tile_stride = 16 * row_bytes;
+// C0..C3 to zero.
+inline void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+template <bool kBf16>
+void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, void* sums) {
+  const int64_t tile_stride = 16 * row_bytes;
+  zero_sums();
   for (int64_t at = 0; at < row_bytes; at += 64) {
     const uint8_t* w = stripe + at * 16;
     prefetch_tiles(w + kTilesAhead * 1024, tile_stride);
@@ -88,10 +93,7 @@ void amx_stripe_pair(const uint8_t* rows, int64_t row_bytes, const uint8_t* stri
   auto* out = static_cast<uint8_t*>(sums);
   for (int64_t half = 0; half < 2; ++half) {
     const uint8_t* weights = stripe + half * 2 * tile_stride;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (int64_t at = 0; at < row_bytes; at += 64) {
       const uint8_t* w = weights + at * 16;
       prefetch_tiles<2>(w + kTilesAhead * 1024, tile_stride);
