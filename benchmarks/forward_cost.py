@@ -1,6 +1,7 @@
 """What one lean forward costs: a model at each quantisation and int8 kernel, T new tokens
 after a context of cached tokens (200, or --context; 0 times a prefill), median and spread
-over repetitions, configurations alternating.
+over repetitions, configurations alternating; the logits of every new token, or of the last
+--keep (1: what a prompt read asks).
 
     python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
         --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn,int8:native@32768
@@ -70,13 +71,13 @@ def load(model: str, config: str) -> LeanModel:
         )
 
 
-def forward_ms(lean: LeanModel, config: str, tokens: int, context: int) -> float:
+def forward_ms(lean: LeanModel, config: str, tokens: int, context: int, keep: int = 0) -> float:
     cache = lean.new_cache(1, context + tokens)
     with switched(config):
         if context:
             lean(torch.randint(0, 1000, (1, context)), cache, keep=1)
         start = time.perf_counter()
-        lean(torch.randint(0, 1000, (1, tokens)), cache)
+        lean(torch.randint(0, 1000, (1, tokens)), cache, keep=keep)
         return (time.perf_counter() - start) * 1e3
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,11", help="new tokens per forward, e.g. 1,11")
     parser.add_argument("--configs", default="int8:native,int8:fbgemm")
     parser.add_argument("--context", type=int, default=CONTEXT, help="cached tokens (0: prefill)")
+    parser.add_argument("--keep", type=int, default=0, help="logits of the last N (0: all)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -97,7 +99,7 @@ def main() -> None:
     for rep in range(args.reps + 1):
         for c in configs:
             for t in sizes:
-                ms = forward_ms(models[c], c, t, args.context)
+                ms = forward_ms(models[c], c, t, args.context, args.keep)
                 if rep:  # the first round warms up
                     times[c, t].append(ms)
     print(f"{args.model}, {args.threads} threads, median [min, max] ms over {args.reps}")
