@@ -1,7 +1,8 @@
 // AMX tile registers (Intel AMX: 8 tiles of up to 16 rows x 64 bytes, tdpbf16ps / tdpbusd)
 // as the bf16 and int8 kernels use them: C0..C3 accumulate 16 outputs each for a tile of up
 // to 16 input rows, A (4) holds those rows' next 64 bytes of inputs, B (5..7) a weight tile
-// of 16 x 64 bytes, which is exactly 16 consecutive groups of the packed layouts.
+// of 16 x 64 bytes, which is exactly 16 consecutive groups of the packed layouts (for 32
+// rows, amx_stripe_pair: A 4 and 5, B 6 and 7).
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,7 @@ void amx_stripe(const uint8_t* rows, int64_t row_bytes, const uint8_t* stripe, v
   _tile_stored(2, out + 128, 256);
   _tile_stored(3, out + 192, 256);
 }
+
 // sums [32][64] of two tiles of 16 input rows (the second 16 rows after the first) against a
 // stripe as amx_stripe's: per half of the stripe (32 outputs), C0..C3 hold the four products of
 // the rows' two A tiles (4, 5) and the half's two weight tiles (6, 7), so each tile loaded feeds
