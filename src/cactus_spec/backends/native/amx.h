@@ -5,6 +5,7 @@
 // rows, amx_stripe_pair: A 4 and 5, B 6 and 7).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -117,7 +118,28 @@ void amx_stripe_pair(const uint8_t* rows, int64_t row_bytes, const uint8_t* stri
   }
 }
 #undef CACTUS_TILE_DOT
+
+// sums [32][64] of the first `count` (at most 32) of the input rows against a stripe: a pair
+// of tiles where more than 16 remain, one tile (amx_stripe) otherwise.
+template <bool kBf16>
+void amx_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, const uint8_t* stripe,
+              void* sums) {
+  if (count > 16) {
+    amx_stripe_pair<kBf16>(rows, row_bytes, stripe, sums);
+  } else {
+    amx_stripe<kBf16>(rows, row_bytes, stripe, sums);
+  }
+}
 #endif
+
+// Input rows of a pair of AMX tiles (amx_stripe_pair).
+constexpr int64_t kPairRows = 32;
+
+// Input rows a kernel takes at once from the `left` rows of a block: a pair of AMX tiles
+// where more than 16 remain, else its own `step` (a tile's rows, or a pass's without AMX).
+inline int64_t rows_at_once(bool amx, int64_t left, int64_t step) {
+  return std::min(amx && left > 16 ? kPairRows : step, left);
+}
 
 // Input rows per AMX tile for a block of m rows (at least 1, so no rows make no tiles).
 inline int64_t tile_rows(int64_t m) { return m < 1 ? 1 : m < 16 ? m : 16; }

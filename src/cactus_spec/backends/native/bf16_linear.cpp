@@ -124,22 +124,16 @@ void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
 #endif
-    float sums[2 * kTileRows][kOutTile];
+    float sums[kPairRows][kOutTile];
     for (int64_t s = begin; s < end; ++s) {
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
       const uint16_t* stripe = weight + s * kOutTile * k2;
-      for (int64_t r0 = 0; r0 < m;) {
-        const bool pair = amx && m - r0 > kTileRows;  // two tiles of rows (step is 16 then)
-        const int64_t count = std::min(pair ? 2 * kTileRows : step, m - r0);
+      for (int64_t r0 = 0, count; r0 < m; r0 += count) {
+        count = rows_at_once(amx, m - r0, step);
 #ifdef CACTUS_AMX
         if (amx) {
           const auto* tiles = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
-          const auto* weights = reinterpret_cast<const uint8_t*>(stripe);
-          if (pair) {
-            amx_stripe_pair</*kBf16=*/true>(tiles, k2 * 2, weights, sums);
-          } else {
-            amx_stripe</*kBf16=*/true>(tiles, k2 * 2, weights, sums);
-          }
+          amx_rows</*kBf16=*/true>(tiles, count, k2 * 2, reinterpret_cast<const uint8_t*>(stripe), sums);
         }
 #endif
 #ifdef CACTUS_AVX512_BF16
@@ -148,7 +142,6 @@ void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
         for (int64_t r = 0; r < count; ++r) {
           for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = sums[r][j] + bias[n0 + j];
         }
-        r0 += count;
       }
     }
 #ifdef CACTUS_AMX

@@ -285,30 +285,23 @@ void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
 #endif
-    int32_t dots[32][kOutTile];
+    int32_t dots[kPairRows][kOutTile];
     for (int64_t s = begin; s < end; ++s) {
       const int8_t* stripe = weight + s * kOutTile * rows.k4;
       const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      for (int64_t r0 = 0; r0 < m;) {
-        const bool pair = amx && m - r0 > 16;  // two tiles of rows (step is 16 then)
-        const int count = static_cast<int>(std::min<int64_t>(pair ? 32 : step, m - r0));
+      for (int64_t r0 = 0, count; r0 < m; r0 += count) {
+        count = rows_at_once(amx, m - r0, step);
 #ifdef CACTUS_AMX
         if (amx) {
-          const auto* weights = reinterpret_cast<const uint8_t*>(stripe);
-          const uint8_t* tiles = rows.u.data() + r0 * rows.k4;
-          if (pair) {
-            amx_stripe_pair</*kBf16=*/false>(tiles, rows.k4, weights, dots);
-          } else {
-            amx_stripe</*kBf16=*/false>(tiles, rows.k4, weights, dots);
-          }
+          amx_rows</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, count, rows.k4,
+                                    reinterpret_cast<const uint8_t*>(stripe), dots);
         }
 #endif
-        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, count, rows.k4, stripe, dots);
-        for (int r = 0; r < count; ++r) {
+        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, static_cast<int>(count), rows.k4, stripe, dots);
+        for (int64_t r = 0; r < count; ++r) {
           outputs(dots[r], width, rows.step[r0 + r], rows.mid[r0 + r], sc + n0, sums + n0,
                   b ? b + n0 : nullptr, out + (r0 + r) * n + n0);
         }
-        r0 += count;
       }
     }
 #ifdef CACTUS_AMX
