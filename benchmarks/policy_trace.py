@@ -3,13 +3,14 @@ B rows and K drafts.
 
     python benchmarks/policy_trace.py --verifier-quant int8 --draft-quant int4 \
         --draft-vocab 32768 --batch 1,4,8 --k 0,2,4,10          # every K at every B
-    python benchmarks/policy_trace.py --batch 8 --k policy      # the K the policy picks
+    python benchmarks/policy_trace.py --batch 1 --k 6,10,policy # beside the K the policy picks
 
 Loads the default pair for the largest B, times the serving policy once
 (``calibrated_policy``), then for each B decodes the first B HumanEval chat prompts together
 (one row each, as a server with B clients), first a few iterations to bring every drafter
-level, then ``--iterations`` iterations at each K in turn, the policy observing every one as
-the scheduler lets it. Each iteration's wall time (drafting, the verifier's forward, and the
+level, then ``--iterations`` rounds of one iteration at each K in turn (interleaved, so that
+the machine's drift falls on every K alike), the policy observing every one as the scheduler
+lets it. Each iteration's wall time (drafting, the verifier's forward, and the
 rest: sampling, verification, the meter, Python) is set beside the policy's forecast T(K)
 made just before it, and its emitted tokens beside E(K). The table gives, by B and K, the
 medians and the forecast's error, and what the forecast would choose at each B against what
@@ -36,6 +37,7 @@ from cactus_spec.runtime.policy import SpeculationPolicy
 class Trace:
     """One iteration: the policy's forecast, and what it measured."""
 
+    label: str  # the K asked for, or "policy"
     k: int
     forecast_s: float
     forecast_tokens: float
@@ -48,15 +50,15 @@ class Trace:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,4,8", help="rows decoding together")
-    parser.add_argument("--k", default="0,2,4,10", help="K values, or 'policy'")
-    parser.add_argument("--iterations", type=int, default=12, help="timed per K")
+    parser.add_argument("--k", default="0,2,4,10", help="K values; policy: its choice")
+    parser.add_argument("--iterations", type=int, default=12, help="rounds of one iteration a K")
     parser.add_argument("--verifier-quant", default="int8")
     parser.add_argument("--draft-quant", default="int4")
     parser.add_argument("--draft-vocab", type=int, default=32768)
     parser.add_argument("--method", default="cactus", help="sps or cactus (delta 1)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    ks = None if args.k == "policy" else [int(k) for k in args.k.split(",")]
+    ks = [None if k == "policy" else int(k) for k in args.k.split(",")]
     spec = DecodeSpec.of(args.method).with_num_draft_tokens(None)  # K: the policy's
     engine = SpeculativeDecoder(
         *DEFAULT_PAIR,
@@ -82,10 +84,11 @@ def _run(
     policy: SpeculationPolicy,
     prompts: list[str],
     spec: DecodeSpec,
-    ks: list[int] | None,
+    ks: list[int | None],
     iterations: int,
 ) -> list[Trace]:
-    """Decode ``prompts`` together: a warm-up at K_max, then ``iterations`` at each K."""
+    """Decode ``prompts`` together: a warm-up at K_max, then ``iterations`` rounds of one
+    iteration at each K."""
     gens = [
         engine.new_generation(
             Request(
@@ -104,8 +107,8 @@ def _run(
     for _ in range(3):  # every drafter reads its prompt; the policy's probe sees drafts
         _iteration(engine, policy, gens, policy.max_draft_tokens)
     traces = []
-    for k in ks or [None]:
-        traces += [_iteration(engine, policy, gens, k) for _ in range(iterations)]
+    for _ in range(iterations):
+        traces += [_iteration(engine, policy, gens, k) for k in ks]
     for g in gens:
         policy.learn_acceptance(g)
         g.finish()
@@ -125,31 +128,35 @@ def _iteration(
     wall = time.perf_counter() - start
     policy.observe(timing)
     tokens, seconds = forecast[chosen]
-    return Trace(chosen, seconds, tokens, wall, timing.draft_s, timing.verify_s, timing.emitted)
+    label = "policy" if k is None else f"{k:2d}"
+    return Trace(
+        label, chosen, seconds, tokens, wall, timing.draft_s, timing.verify_s, timing.emitted
+    )
 
 
 def _summary(rows: int, traces: list[Trace]) -> None:
     rates = {}
-    for k in sorted({t.k for t in traces}):
-        mine = [t for t in traces if t.k == k]
+    for label in sorted({t.label for t in traces}):
+        mine = [t for t in traces if t.label == label]
         forecast = statistics.median(t.forecast_s for t in mine)
         wall = statistics.median(t.wall_s for t in mine)
         draft = statistics.median(t.draft_s for t in mine)
         verify = statistics.median(t.verify_s for t in mine)
         emitted = sum(t.emitted for t in mine)
-        rates[k] = emitted / sum(t.wall_s for t in mine)
+        rates[label] = emitted / sum(t.wall_s for t in mine)
         print(
-            f"B={rows:2d}, K={k:2d}: {len(mine):3d}; {1000 * forecast:6.1f} / {1000 * wall:6.1f}"
+            f"B={rows:2d}, K={label} (mean {statistics.mean(t.k for t in mine):4.1f}): "
+            f"{len(mine):3d}; {1000 * forecast:6.1f} / {1000 * wall:6.1f}"
             f" ms ({forecast / wall - 1:+.0%}); {1000 * draft:5.1f}, {1000 * verify:6.1f}, "
             f"{1000 * (wall - draft - verify):5.1f} ms; "
             f"{statistics.mean(t.forecast_tokens for t in mine):5.2f} / "
-            f"{emitted / len(mine):5.2f}; {rates[k]:6.1f}",
+            f"{emitted / len(mine):5.2f}; {rates[label]:6.1f}",
             flush=True,
         )
     if len(rates) > 1:
-        best = max(rates, key=rates.__getitem__)
-        print(f"B={rows:2d}: fastest measured K={best} ({rates[best] / rates[min(rates)]:.2f}x "
-              f"K={min(rates)})", flush=True)  # fmt: skip
+        best, first = max(rates, key=rates.__getitem__), min(rates)
+        print(f"B={rows:2d}: fastest measured K={best} ({rates[best] / rates[first]:.2f}x "
+              f"K={first})", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -210,6 +210,36 @@ def test_a_row_leaving_k_open_catches_its_drafter_up_between_iterations() -> Non
     assert max(t.caught_up for t in pinned.timings) >= len(LONG) - 1
 
 
+def serve_alone(prefill_chunk: int) -> Recorded:
+    """LONG alone, leaving K to a policy that always drafts 3, until it has drafted."""
+    d = engine(Recorded)
+    done = threading.Event()
+    scheduler = Scheduler(d, max_queue=4, policy=Drafting(3), prefill_chunk=prefill_chunk)
+    scheduler.start()
+    request = Request(
+        prompt_ids=LONG, max_new_tokens=LONG_BUDGET, sampling=SAMPLING, seed=1,
+        spec=spec_of(SpS(), None), ignore_eos=True, on_done=lambda _: done.set(),
+    )  # fmt: skip
+    scheduler.submit(request)
+    assert done.wait(60)
+    scheduler.stop()
+    return d
+
+
+def test_a_lone_row_catches_its_drafter_up_at_once_and_drafts_at_once() -> None:
+    """No other row waits for LONG's drafter: it reads the lag in one idle turn's budget
+    (4 chunks of 32) and LONG drafts in its first iteration. The control: a budget of 4 x 4
+    tokens reads it in pieces, and LONG decodes plainly until its drafter has caught up."""
+    d = serve_alone(prefill_chunk=32)
+    reads = [value for kind, value in d.log if kind == "catch_up"]
+    assert len(reads) == 1 and reads[0][1] == 128 and reads[0][0] > len(LONG) - STEP_CATCH_UP
+    assert d.timings[0].draft_steps > 0
+    control = serve_alone(prefill_chunk=4)
+    reads = [value for kind, value in control.log if kind == "catch_up"]
+    assert len(reads) > 1 and all(0 < read <= budget == 16 for read, budget in reads)
+    assert control.timings[0].draft_steps == 0
+
+
 def test_a_drafter_caught_up_in_pieces_drafts_what_it_drafts_after_one_read() -> None:
     """catch_up reads a context but its last token in pieces of 16; the proposal after it
     (reading the last token) is the one a drafter reading the whole context in its first

@@ -303,25 +303,30 @@ class Scheduler(Generic[Engine]):
         """K of each generation after the lagging drafters' reads (``behind``: what each
         drafter lags, as ``_num_draft_tokens`` was given it): a row that leaves K to the
         policy and would draft while its drafter lags more than ``STEP_CATCH_UP`` tokens (a
-        new prompt, what was emitted while K was 0) drafts nothing this iteration, and its
-        drafter reads up to a prompt read's budget of the lag now, in pieces: read inside a
-        draft step, the lag would hold up every row (a row that fixed its K reads it there,
-        so that its draws stay those it makes alone)."""
+        new prompt, what was emitted while K was 0) has its drafter read a prompt read's
+        budget of the lag now, between iterations, and drafts this iteration only if that
+        caught it up. Read inside a draft step, the lag would hold up every row (a row that
+        fixed its K reads it there, so that its draws stay those it makes alone). The budget
+        is a decoding turn's while some row of the iteration does not lag, so that it waits
+        for one piece; else an idle turn's (``_prefill_budget``): a lone stream's drafter
+        reads a short prompt at once and drafts at once, instead of decoding plainly while
+        it reads in pieces, with no one else to wait."""
         if self.policy is None or not any(ks):
             return ks
-        lagging = {
-            id(g)
+        lagging = [
+            g
             for g, k, n in zip(generations, ks, behind[: len(generations)], strict=True)
             if k > 0 and g.spec.auto_k and n > STEP_CATCH_UP
-        }
+        ]
         if not lagging:
             return ks
+        budget = self._prefill_budget(running=len(lagging) < len(generations))
         start = time.perf_counter()
-        read = self.engine.catch_up(
-            [g for g in generations if id(g) in lagging], self._prefill_budget(running=True)
-        )
+        read = self.engine.catch_up(lagging, budget)
         self.policy.observe_catch_up(read, time.perf_counter() - start)
-        return [0 if id(g) in lagging else k for g, k in zip(generations, ks, strict=True)]
+        lags = self.engine.behind(lagging)
+        still = {id(g) for g, n in zip(lagging, lags, strict=True) if n > STEP_CATCH_UP}
+        return [0 if id(g) in still else k for g, k in zip(generations, ks, strict=True)]
 
     def _finish(self, request: Request, g: Generation) -> None:
         self._release(request, g)
