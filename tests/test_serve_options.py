@@ -48,8 +48,8 @@ def test_the_defaults_and_the_edges_are_accepted() -> None:
     """The control: the same checks let every default and every bound through."""
     assert options().model_id == "/no/such.gguf"
     edges = options(prefill_chunk=None, port=0, shutdown_grace=0, policy="fixed", api_key="k")
-    assert edges.app_config().api_key == "k"
-    assert options(served_model_name="tiny").app_config().model_id == "tiny"
+    assert edges.app_config("lean").api_key == "k"
+    assert options(served_model_name="tiny").app_config("lean").model_id == "tiny"
 
 
 @pytest.mark.parametrize(("policy", "k"), [("auto", None), ("fixed", 3)])

@@ -153,6 +153,7 @@ def test_serve_says_where_it_listens_and_how_long_start_up_took(tmp_path) -> Non
         ready = re.search(address + r"\(ready ([\d.]+) s after start", log)
         assert ready is not None and 0 < float(ready.group(1)) <= waited, log
         assert "serving smollm2-135m: verifier smollm2-135m" in log and "drafter ngram" in log
+        assert "backend lean (our kernels: " in log  # float32 asked: ggml cannot run it
         cli = Path(sys.executable).with_name("cactus-spec")
         command = [str(cli), "serve", "--verifier", "smollm2-135m", "--method", "ar",
                    "--port", str(port), "--dtype", "float32"]  # fmt: skip

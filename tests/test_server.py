@@ -292,10 +292,17 @@ def test_sixteen_concurrent_clients_each_equal_offline(served: Served, offline) 
     assert served.metric("batch_size") == 0 and served.metric("queue_length") == 0
 
 
-def test_models_and_health(served: Served) -> None:
+def test_models_and_health(served: Served, smollm) -> None:
+    """/health says what runs the models (and why auto chose it: nothing to say for a model
+    loaded for its backend)."""
     assert [m.id for m in served.client.models.list().data] == [MODEL_ID]
+    backend = "ggml" if isinstance(smollm.model, GgufModel) else "lean"
     with urllib.request.urlopen(f"{served.url}/health") as response:
-        assert json.loads(response.read()) == {"status": "ok"}
+        assert json.loads(response.read()) == {
+            "status": "ok",
+            "backend": backend,
+            "backend_why": "",
+        }
 
 
 def raw_post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

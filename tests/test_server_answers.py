@@ -1,7 +1,8 @@
 """What a valid request gets back is valid: an unbounded divergence is JSON null with its
 reason (never ``Infinity``), ``/metrics`` stays finite, bounds stay bounds, a context error
 names the field the client sent, and nothing waits behind another request's long prompt.
-SmolLM2-135M through the server, driven over HTTP."""
+SmolLM2-135M through the server, driven over HTTP, on both backends a server of it can have
+(lean, its float32 weights; ggml, llama.cpp over its GGUF file)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import time
 import urllib.request
 
 import pytest
+from conftest import need_llama_cpp
 from test_server import MODEL_ID, Served, raw_post
 
 from cactus_spec.backends import native
+from cactus_spec.backends.ggml import GgufModel
 from cactus_spec.core.audit import reported_kl
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.fetch import fetch
@@ -48,9 +51,20 @@ def test_the_encoder_refuses_what_strict_json_cannot_carry() -> None:
     assert math.copysign(1, reported_kl(-0.0)["kl_nats"]) == 1
 
 
-@pytest.fixture(scope="module")
-def smollm():
+def smollm_as(weights: str):
+    """SmolLM2 with ``weights``: float32 or int8 on the lean code, or ggml (its GGUF file
+    loaded for llama.cpp)."""
+    if weights == "ggml":
+        need_llama_cpp()
+        return load_model(fetch(MODEL_ID), backend="ggml")
+    if weights == "int8":
+        return load_model(fetch(MODEL_ID), quant="int8")
     return load_model(fetch(MODEL_ID), dtype="float32")
+
+
+@pytest.fixture(scope="module", params=["float32", "ggml"])
+def smollm(request):
+    return smollm_as(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +143,11 @@ def test_a_context_error_names_what_the_client_sent(one: Served) -> None:
     cases = [
         ({"prompt": [28] * (context + 5), "max_tokens": 1}, "prompt"),
         ({"prompt": [28] * (context - 100), "max_tokens": 200}, "max_tokens"),
-        (
-            {
-                "prompt": [28] * (context - 100),
-                "max_tokens": 50,
-                "speculative": {"method": "sps", "verification": "tree", "branches": 40},
-            },
-            "speculative.branches",
-        ),
     ]
+    if not isinstance(one.decoder.verifier.model, GgufModel):  # ggml refuses trees first
+        tree = {"method": "sps", "verification": "tree", "branches": 40}
+        fields = {"prompt": [28] * (context - 100), "max_tokens": 50, "speculative": tree}
+        cases.append((fields, "speculative.branches"))
     for fields, param in cases:
         status, error = raw_post(url, json.dumps({"model": MODEL_ID, **fields}).encode())
         assert status == 400 and error["error"]["param"] == param, (fields.keys(), error)
@@ -215,16 +225,16 @@ def _waits(url: str) -> tuple[float, float, float]:
     return refused, first, took["long"]
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
-def test_nothing_waits_behind_a_long_prompts_read(smollm, weights: str) -> None:
+@pytest.mark.parametrize("weights", ["float32", "int8", "ggml"])
+def test_nothing_waits_behind_a_long_prompts_read(weights: str) -> None:
     """While a prompt of ``LONG`` tokens is read, a 400 that needs a grammar compiled and a
     short chat's first token come within a few chunks' time (the chunk measured here, on the
     same server), not after the whole read. The control reads the prompt in one piece: the
     chat waits for all of it, while the 400 still does not (the kernels release the GIL:
-    int8 runs on the native blocks, float32 on torch's)."""
+    int8 runs on the native blocks, float32 on torch's, ggml through ctypes)."""
     if weights == "int8" and not native.available():
         pytest.skip("no native kernels on this machine")
-    model = smollm if weights == "float32" else load_model(fetch(MODEL_ID), quant="int8")
+    model = smollm_as(weights)
     refused, first, whole = waits_behind_a_long_prompt(model, CHUNK)
     chunk_s = whole * CHUNK / LONG  # the long request's read, per chunk
     bound = 8 * chunk_s + 1.0  # the chunks a turn reads idle and one more, and a decode

@@ -33,18 +33,17 @@ from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 stderr = Console(stderr=True)
 
 
-def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
+def _load_options(args: argparse.Namespace, needs_draft: bool, trees: bool = False) -> LoadOptions:
     """The model flags, read by the one loading parser (``loading.options``): --verifier and
     --draft default to the default pair (known names load only once fetched)."""
-    return parse_load(
-        {key: getattr(args, key) for key in LOAD_KEYS}, needs_draft=needs_draft, label=flag
-    )
+    given = {key: getattr(args, key) for key in LOAD_KEYS}
+    return parse_load(given, needs_draft=needs_draft, trees=trees, label=flag)
 
 
 def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
     """The model flags read against ``spec``, and the drafting flags that cannot go
     together whatever the models are, refused before any model loads."""
-    options = _load_options(args, spec.needs_draft_model)
+    options = _load_options(args, spec.needs_draft_model, spec.trees)
     spec.check_trees(flag)
     if spec.trees and not reads_trees(options.backend):
         raise ValueError(
@@ -230,7 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
     draft = f", {models.draft} (draft)" if models.draft else ""
     stderr.print(f"loading {models.verifier} (verifier){draft} …")
     server = build_server(options)
-    stderr.print(options.describe(), highlight=False)
+    stderr.print(options.describe(server.engine.backend), highlight=False)
     server.serve(started)
     return 0
 

@@ -115,10 +115,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
     """The model flags, read by the one loading parser: --verifier and --draft default to
-    the default pair, or with --quick to SmolLM2 (its own assistant)."""
+    the default pair, or with --quick to SmolLM2 (its own assistant). Backend auto stays on
+    our kernels: the bench has no ggml rows yet."""
     pair = (QUICK_MODEL, args.verifier or QUICK_MODEL) if args.quick else DEFAULT_PAIR
     given = {key: getattr(args, key) for key in LOAD_KEYS}
-    return parse_load(given, needs_draft=needs_draft, default_pair=pair, label=flag)
+    return parse_load(
+        given, needs_draft=needs_draft, auto_ggml=False, default_pair=pair, label=flag
+    )
 
 
 def _check_seeds(seed: int, items: int) -> None:

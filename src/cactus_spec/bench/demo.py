@@ -64,6 +64,8 @@ def run_demo(
         head_vocab=options.draft_vocab,
     )
     stderr.print(_kernels_line(verifier, draft))
+    if options.backend_why:
+        stderr.print(f"backend: {options.backend_why}")
     decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=options.backend)
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
     decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models

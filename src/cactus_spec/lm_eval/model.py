@@ -116,7 +116,9 @@ class CactusSpecLM(TemplateLM):
         models["verifier_quant"] = verifier_quant
         models |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         models |= {"dtype": dtype, "threads": threads, "device": lm_eval_args.device_for(device)}
-        load = parse_load(lm_eval_args.load_args(models), needs_draft=spec.needs_draft_model)
+        load = parse_load(
+            lm_eval_args.load_args(models), needs_draft=spec.needs_draft_model, trees=spec.trees
+        )
         self.engine = SpeculativeDecoder(**load.as_kwargs(), spec=spec, max_batch=max_batch)
         if self.engine.tokenizer is None:
             raise ValueError("verifier must come with a tokenizer (a name, path or LoadedModel)")

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from cactus_spec.backends.ggml import GgufModel
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.core.checks import is_int
+from cactus_spec.loading.backend_choice import auto_backend
 from cactus_spec.loading.catalog import DEFAULT_PAIR
 from cactus_spec.loading.gguf import READS, check_ggml, check_gguf_source
 from cactus_spec.loading.models import (
@@ -57,10 +58,11 @@ class LoadOptions:
     device: str = "cpu"
     threads: int | None = None
     backend: str = "auto"
+    backend_why: str = ""  # why ``auto`` ran ggml or ours (``loading.backend_choice``)
 
     def as_kwargs(self) -> dict[str, Any]:
         """Every option by its key, as ``SpeculativeDecoder`` takes them."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "backend_why"}
 
     def model_kwargs(self) -> dict[str, Any]:
         """What ``load_model`` takes for either model, beside its quantisation."""
@@ -74,6 +76,8 @@ def parse_load(
     values: Mapping[str, object],
     *,
     needs_draft: bool,
+    trees: bool = False,
+    auto_ggml: bool = True,
     default_pair: tuple[str, str] | None = DEFAULT_PAIR,
     label: Callable[[str], str] = str,
 ) -> LoadOptions:
@@ -82,11 +86,14 @@ def parse_load(
     The verifier defaults to ``default_pair[0]``; the draft to ``default_pair[1]`` where
     ``needs_draft`` (the spec drafts with a model); without ``default_pair`` both are
     required. A draft or a draft vocabulary given where nothing is drafted by a model is
-    refused. Counts may be text (lm-eval's model args). Backend ``ggml`` reads GGUF files
-    only and runs their own weights: a quantisation of ours (``auto`` reads as none), a cut
-    draft head or a dtype is refused, and both quantisations read none. ValueError naming the key
-    (``label(key)``) and what it allows, for the first bad one; TypeError for a model that
-    is neither a name nor a model.
+    refused. Counts may be text (lm-eval's model args). Backend ``auto`` is resolved here
+    (``loading.backend_choice``: ggml where llama.cpp's kernels measure faster and run what
+    was asked, draft ``trees`` included, else ours; ``auto_ggml`` False keeps it ours), the
+    reason kept in ``backend_why``. Backend ``ggml`` reads GGUF files only and runs their own
+    weights: a quantisation of ours (``auto`` reads as none), a cut draft head or a dtype is
+    refused, and both quantisations read none. ValueError naming the key (``label(key)``) and
+    what it allows, for the first bad one; TypeError for a model that is neither a name nor
+    a model.
     """
     given = {k: v for k, v in values.items() if v is not None}
     unknown = [k for k in given if k not in LOAD_KEYS]
@@ -101,6 +108,10 @@ def parse_load(
             )
     defaults = default_pair or (None, None)
     backend = _choice(label("backend"), given.get("backend", _default("backend")), BACKENDS)
+    why = ""
+    if backend == "auto" and auto_ggml:
+        choice = auto_backend(given, needs_draft, trees)
+        backend, why = choice.backend, choice.why
     device = str(check_device(given.get("device", _default("device")), label("device")))
     dtype = given.get("dtype")
     if not isinstance(dtype, (str, torch.dtype, type(None))):
@@ -124,6 +135,7 @@ def parse_load(
         device=device,
         threads=_count(label("threads"), given.get("threads")),
         backend=backend,
+        backend_why=why,
     )
     if backend == "ggml":
         asked = {  # auto, or nothing given, leaves the GGUF's own weights

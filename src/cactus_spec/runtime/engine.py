@@ -34,7 +34,7 @@ from cactus_spec.core.methods import DEFAULT_NUM_DRAFT_TOKENS
 from cactus_spec.core.penalties import Penalties
 from cactus_spec.core.sampling import SamplingConfig, check_seed
 from cactus_spec.core.spec import DecodeSpec
-from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.backend import BACKEND_TYPES, make_backend
 from cactus_spec.loading.divergence import Divergence, quant_divergence
 from cactus_spec.loading.models import (
     ModelSource,
@@ -121,7 +121,8 @@ class SpeculativeDecoder:
         given["verifier_quant"] = verifier_quant
         given |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         given |= {"dtype": dtype, "device": device, "threads": threads}
-        options = parse_load(given, needs_draft=spec.needs_draft_model, default_pair=None)
+        needs_draft, trees = spec.needs_draft_model, spec.trees
+        options = parse_load(given, needs_draft=needs_draft, trees=trees, default_pair=None)
         self.verifier = as_loaded(
             "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
         )
@@ -162,6 +163,11 @@ class SpeculativeDecoder:
         return build_drafter(self.spec.drafter, parts)
 
     # --- what callers read ----------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """What runs the models: lean, hf or ggml (``loading.backend.BACKEND_TYPES``)."""
+        return next(k for k, t in BACKEND_TYPES.items() if isinstance(self._backend, t))
 
     @property
     def context_length(self) -> int:

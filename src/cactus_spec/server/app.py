@@ -70,6 +70,8 @@ class ServerConfig:
     max_request_bytes: int = MAX_REQUEST_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     chat_template: str | None = None  # None: the tokenizer's
+    backend: str = "auto"  # what runs the models, as /health reports it
+    backend_why: str = ""  # why auto chose it (``loading.backend_choice``)
 
 
 def create_app(scheduler: Scheduler[ServingEngine], config: ServerConfig) -> FastAPI:
@@ -100,7 +102,7 @@ def create_app(scheduler: Scheduler[ServingEngine], config: ServerConfig) -> Fas
     async def health():
         if handler.closing:  # load balancers stop sending here
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "backend": config.backend, "backend_why": config.backend_why}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

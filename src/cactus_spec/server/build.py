@@ -70,7 +70,8 @@ def build_server(options: ServeOptions) -> Server:
         grammar_limits=options.grammar_limits(),
     )
     scheduler = _scheduler(engine, options)
-    return Server(options, engine, scheduler, create_app(scheduler, options.app_config()))
+    app = create_app(scheduler, options.app_config(engine.backend))
+    return Server(options, engine, scheduler, app)
 
 
 def _scheduler(engine: ServingEngine, options: ServeOptions) -> Scheduler[ServingEngine]:

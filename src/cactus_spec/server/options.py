@@ -102,8 +102,9 @@ class ServeOptions:
             self.max_grammar_bytes, self.max_grammar_symbols, self.grammar_step_fuel
         )
 
-    def app_config(self) -> ServerConfig:
-        """What the app reads of these options."""
+    def app_config(self, backend: str) -> ServerConfig:
+        """What the app reads of these options; ``backend``: what runs the models (the
+        engine's ``backend``)."""
         return ServerConfig(
             self.model_id,
             self.api_key,
@@ -111,10 +112,13 @@ class ServeOptions:
             self.max_request_bytes,
             self.body_timeout,
             self.chat_template,
+            backend,
+            self.models.backend_why,
         )
 
-    def describe(self) -> str:
-        """What is served: the models and their weights, the drafting, the rows and the CPU."""
+    def describe(self, backend: str) -> str:
+        """What is served: the models and their weights, the drafting, the rows, the CPU and
+        ``backend``, what runs the models (the engine's), with why ``auto`` chose it."""
         models, spec = self.models, self.spec
 
         def weights(quant: str) -> str:
@@ -124,10 +128,11 @@ class ServeOptions:
 
         draft = f"{models.draft} ({weights(models.draft_quant)})" if models.draft else "none"
         drafting = f"drafter {spec.drafter}, policy {self.policy}" if spec.drafts else "no drafting"
+        why = f" ({models.backend_why})" if models.backend_why else ""
         return (
             f"serving {self.model_id}: verifier {models.verifier} "
             f"({weights(models.verifier_quant)}), draft {draft}, {drafting}, "
-            f"{self.max_batch} rows, instruction set {isa.level()}"
+            f"{self.max_batch} rows, instruction set {isa.level()}, backend {backend}{why}"
         )
 
 
