@@ -10,7 +10,7 @@ one-line errors, before any model loads.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ class LoadOptions:
     device: str = "cpu"
     threads: int | None = None
     backend: str = "auto"
-    backend_why: str = ""  # why ``auto`` ran ggml or ours (``loading.backend_choice``)
+    backend_why: str = field(default="", compare=False)  # why auto chose it (backend_choice)
 
     def as_kwargs(self) -> dict[str, Any]:
         """Every option by its key, as ``SpeculativeDecoder`` takes them."""
