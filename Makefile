@@ -30,7 +30,9 @@ $(STAMP): pyproject.toml constraints.txt
 # fault in ldtilecfg); they serve only Q4_0/Q4_1/Q8_0 weights, not the Q4_K_M of the default
 # pair. LLAVA_BUILD=OFF leaves out the multimodal library (mtmd), which nothing here loads.
 # --no-cache-dir: pip would otherwise reuse a wheel built on another machine.
-NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+# The flags are x86's: elsewhere (aarch64) there is no AMX to leave out.
+X86 := $(filter x86_64 amd64,$(shell uname -m))
+NO_AMX := $(if $(X86),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 PEERS_STAMP := $(VENV)/.peers
 peers: $(PEERS_STAMP)
 
@@ -101,7 +103,9 @@ test-vllm: vllm-env fetch-test-model
 	CACTUS_SPEC_VLLM_TP_MODEL="$$($(VENV)/bin/cactus-spec models fetch qwen-coder-0.5b | cut -f3)" \
 		$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
-demo: fetch-default
+# Off x86 the demo runs on llama.cpp (backend auto takes ggml there: loading/backend_choice.py),
+# so it builds it first (make peers).
+demo: fetch-default $(if $(X86),,peers)
 	$(VENV)/bin/cactus-spec demo
 
 bench-verify: $(STAMP)
