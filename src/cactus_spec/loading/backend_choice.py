@@ -28,11 +28,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from cactus_spec import isa
 from cactus_spec.backends import ggml
-from cactus_spec.loading.catalog import REGISTRY
+from cactus_spec.loading.gguf import check_gguf_source
 
 #: Levels where our kernels are the faster ones whatever is drafted.
 _OURS = ("amx", "avx512")
@@ -99,13 +98,9 @@ def _blocker(given: Mapping[str, object], trees: bool) -> str | None:
         return f"{asked[0]} {given[asked[0]]} was asked"
     for key in ("verifier", "draft"):
         source = given.get(key)
-        if source is not None and not _is_gguf(source):
+        try:
+            if source is not None:
+                check_gguf_source(source, key)  # type: ignore[arg-type]
+        except (ValueError, TypeError):
             return f"the {key} is not a GGUF file"
     return None
-
-
-def _is_gguf(source: object) -> bool:
-    """Whether ggml reads ``source``: a known name, or a path to a ``.gguf`` file."""
-    if isinstance(source, str) and source in REGISTRY:
-        return True
-    return isinstance(source, (str, Path)) and Path(source).suffix == ".gguf"
