@@ -7,13 +7,17 @@ decodes the tokens it decodes alone; greedy SpS with a ggml draft gives AR's tok
 through ggml keeps the ggml verifier's law; the ggml verifier's KL from the dense bfloat16
 copy of the same GGUF is measured (the copy against itself reads zero) and ``generate``
 reports it, cached under the GGUF's type apart from int8's; bad input is one line naming the
-backend and what it reads, before anything loads.
+backend and what it reads, before anything loads. On aarch64 the same llama.cpp (cross-compiled
+with NEON, dotprod and i8mm by ``make aarch64``, run under qemu-user) reads the engine's law
+within a small KL.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +47,10 @@ PROMPTS = [
 NEW_TOKENS = 64
 GREEDY = SamplingConfig(temperature=0.0)
 THREADS = 2
+#: ``make aarch64``'s program: tests/cross/logits.c against llama.cpp built for aarch64.
+AARCH64_LOGITS = Path(__file__).resolve().parents[1] / "build" / "aarch64" / "bin" / "logits"
+#: An emulated token costs about 1 s, so the aarch64 check reads fewer.
+EMULATED_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +112,58 @@ def test_greedy_ar_gives_llama_cpps_own_greedy_tokens(
     (ids, ours), (other, _) = runs[0], runs[1]
     assert _llama_cpp_greedy(llm, other, NEW_TOKENS, smollm.eos_ids) != ours
     llm.close()
+
+
+def _aarch64_logits(gguf_path: Path, ids: list[int], prompt: int, vocab: int) -> torch.Tensor:
+    """The logits llama.cpp built for aarch64 reads along ``ids`` after its first ``prompt``
+    [len(ids) - prompt + 1, V], under qemu-user (Debian's sysroot; ``-cpu max`` has dotprod,
+    i8mm and half-precision arithmetic)."""
+    command = ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(AARCH64_LOGITS)]
+    command += [str(gguf_path), str(THREADS), str(prompt), *map(str, ids)]
+    done = subprocess.run(command, capture_output=True, timeout=600, check=True)
+    return torch.frombuffer(bytearray(done.stdout), dtype=torch.float32).reshape(-1, vocab)
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, in nats [T]."""
+    log_p, log_q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="cross-compiled from x86")
+def test_llama_cpp_built_for_aarch64_reads_the_engines_law(
+    ar: SpeculativeDecoder, smollm: LoadedModel, gguf_path: Path
+) -> None:
+    """What the ggml backend runs on ARM: the pinned llama.cpp compiled for aarch64 (its NEON,
+    dotprod and i8mm kernels) reads, along the engine's greedy answers here, a law within
+    0.01 nats per token of the one the engine reads through ggml here (measured 0.0006-0.0025
+    mean on SmolLM2: its kernels round otherwise, half-precision arithmetic among them, so
+    its logits move by up to about 1.2), and the same greedy token wherever the top two stand
+    2.5 apart."""
+    from cactus_spec.backends.ggml import GgmlBackend
+
+    if not (AARCH64_LOGITS.is_file() and shutil.which("qemu-aarch64")):
+        if os.environ.get("CACTUS_SPEC_REQUIRE_GGML"):
+            pytest.fail(f"no aarch64 build at {AARCH64_LOGITS} or no qemu-aarch64: make aarch64")
+        pytest.skip("no aarch64 build (make aarch64)")
+    assert AARCH64_LOGITS.read_bytes()[18:20] == (183).to_bytes(2, "little")  # ELF: AArch64
+    for text in PROMPTS[:2]:
+        ids = ar.encode(text)
+        answer = ids + ar.generate(ids, EMULATED_TOKENS, temperature=0.0).token_ids
+        backend = GgmlBackend(smollm.model, slots=1)  # fed as the program feeds
+        backend.append(answer[: len(ids) - 1], keep=1)
+        ours = torch.cat([backend.append([t], keep=1) for t in answer[len(ids) - 1 :]])  # [T, V]
+        theirs = _aarch64_logits(gguf_path, answer, len(ids), smollm.model.vocab_size)  # [T, V]
+        assert theirs.shape == ours.shape
+        divergence = _kl(theirs, ours)  # [T]
+        assert divergence.mean() < 0.01 and divergence.max() < 0.05, text
+        top = ours.topk(2).values  # [T, 2]
+        clear = top[:, 0] - top[:, 1] > 2.5
+        assert clear.sum() >= len(clear) // 2
+        assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear]), text
+        # negative control: the check can fail; a position's law is not the next one's
+        assert _kl(theirs[:-1], ours[1:]).mean() > 1.0
 
 
 @pytest.mark.slow
@@ -386,3 +446,26 @@ def test_a_build_level_is_its_highest_x86_features() -> None:
     assert ggml_build_level(info.replace("AVX512 = 0", "AVX512 = 1")) == "avx512"
     assert ggml_build_level(info + " | AMX_INT8 = 1") == "amx"
     assert ggml_build_level("CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1") == "portable"
+
+
+def test_fetch_makes_no_dense_copy_where_auto_runs_ggml(
+    gguf_path: Path, tmp_path, monkeypatch, capsys
+) -> None:
+    """Off x86 backend auto reads the GGUF through ggml, so ``models fetch`` leaves the dense
+    copy unmade (its third column "-"); where ours run (an x86 level with AVX512), it is
+    needed: the control."""
+    from cactus_spec import isa
+    from cactus_spec.loading.fetch import dense_needed, main_fetch
+    from cactus_spec.loading.model_store import known_gguf_path
+
+    monkeypatch.setenv("CACTUS_SPEC_CACHE", str(tmp_path))
+    known_gguf_path(MODEL).parent.mkdir(parents=True)
+    known_gguf_path(MODEL).symlink_to(gguf_path)
+    monkeypatch.setattr(isa, "chosen", lambda: "native")
+    monkeypatch.setattr(isa, "level", lambda: "avx512")
+    assert dense_needed([MODEL]) == (True, "our kernels: on avx512 they measure faster than ggml")
+    monkeypatch.setattr(isa, "level", lambda: "portable")
+    assert dense_needed([MODEL])[0] is False
+    assert main_fetch([MODEL]) == 0
+    assert capsys.readouterr().out == f"{MODEL}\t{known_gguf_path(MODEL)}\t-\n"
+    assert not (tmp_path / "dense").exists()

@@ -274,7 +274,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_lm_eval(args.lm_eval_args)
     from cactus_spec.loading.fetch import main_fetch
 
-    return main_fetch(args.names)
+    return main_fetch(args.names, args.dense)
 
 
 def run_lm_eval(argv: list[str]) -> int:

@@ -383,4 +383,10 @@ def parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers(dest="models_command", required=True)
     fetch = models_sub.add_parser("fetch", help="install, verify and convert known models")
     fetch.add_argument("names", nargs="*", help="default: the default pair")
+    fetch.add_argument(
+        "--dense",
+        action="store_true",
+        help="make the dense Hugging Face copy (the third column, what vLLM loads) even where "
+        "backend auto runs the models on ggml, which reads the GGUF itself",
+    )
     return parser

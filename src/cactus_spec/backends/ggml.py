@@ -67,6 +67,14 @@ def held_build(level: str) -> Path:
     return cache_dir() / "ggml" / level
 
 
+def held_library(held: str) -> str | None:
+    """The llama.cpp library a process held to level ``held`` (``isa.chosen()``, not
+    ``native``) loads: the one ``LLAMA_CPP_LIB_PATH`` names, else ``make ggml-LEVEL``'s build
+    where it was made; None: neither (the installed one, built for the CPU's own level)."""
+    named = os.environ.get("LLAMA_CPP_LIB_PATH")
+    return named or (str(held_build(held)) if held_build(held).is_dir() else None)
+
+
 def build_level(system_info: str) -> str:
     """The level (``isa.ISAS``) a llama.cpp build's kernels run at, from its system info
     ("CPU : SSE3 = 1 | ... | AVX2 = 1 | AVX512 = 1 | ..."): the highest x86 level whose
@@ -88,8 +96,9 @@ def _library() -> ModuleType:
     model loads) a build whose kernels run above the level: llama.cpp picks its kernels when
     it is built, so held to AVX2 it would otherwise run AVX512 ones."""
     held = isa.chosen()
-    if held != "native" and held_build(held).is_dir():
-        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(held_build(held)))
+    library = None if held == "native" else held_library(held)
+    if library is not None:
+        os.environ["LLAMA_CPP_LIB_PATH"] = library  # where the binding looks
     from llama_cpp import llama_cpp as lib
 
     built = build_level(lib.llama_print_system_info().decode())

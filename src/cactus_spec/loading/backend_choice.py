@@ -25,7 +25,6 @@ names what kept ggml out.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,9 +81,7 @@ def _blocker(given: Mapping[str, object], trees: bool) -> str | None:
     if not ggml.available():
         return f"llama-cpp-python is not installed ({ggml.INSTALL_HINT})"
     held = isa.chosen()
-    if held != "native" and not (
-        ggml.held_build(held).is_dir() or os.environ.get("LLAMA_CPP_LIB_PATH")
-    ):
+    if held != "native" and ggml.held_library(held) is None:
         return f"llama.cpp has no build for {held} (make ggml-{held})"
     if trees:
         return "draft trees need token-tree attention, which ggml lacks"

