@@ -131,8 +131,8 @@ def dense_needed(names: Sequence[str]) -> tuple[bool, str]:
     """Whether the command line's defaults (``backend auto``, ``--verifier-quant auto``, the
     first model verifying and a second drafting) load `names` on our kernels here, which read
     the dense copy, and why (``loading.backend_choice``): where they run on ggml, llama.cpp
-    reads the GGUF itself and the copy (about 3.5 minutes and 6.5 GB for the default pair)
-    would sit unused until something else asks for it (and then it is made then)."""
+    reads the GGUF itself, and the copy (about 4 minutes and 4.8 GB for the default pair)
+    would sit unused until something else loads the models densely, which then makes it."""
     given = {"verifier_quant": "auto", "verifier": names[0], "draft": names[-1]}
     choice = auto_backend(given, drafts=len(names) > 1, trees=False)
     return choice.backend != "ggml", choice.why
