@@ -151,11 +151,11 @@ def main_fetch(names: list[str], dense: bool = False) -> int:
         _console.print(f"no dense copy (--dense makes one): backend auto runs them on {why}")
     for name in names:
         try:
-            path = fetch(name, dense)
+            path = fetch(name, dense=False)
+            # the dense copy is a Hugging Face folder that other engines (vLLM) load as it is
+            folder = ensure_dense_copy(path) if dense else "-"
         except (FetchError, OSError, ValueError) as err:
             _console.print(f"[red]fetching {name} failed:[/red] {escape(str(err))}")
             return 1
-        # the dense copy is a Hugging Face folder that other engines (vLLM) load as it is
-        folder = ensure_dense_copy(path) if dense else "-"
         print(f"{name}\t{path}\t{folder}")
     return 0
