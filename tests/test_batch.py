@@ -627,3 +627,23 @@ def test_generate_with_k_left_open_keeps_the_verifiers_greedy_tokens() -> None:
     prompt = [5, 17, 3, 99, 42]
     assert open_k.generate(prompt, 30, 0.0).token_ids == ar.generate(prompt, 30, 0.0).token_ids
     assert sum(pays.bin_reached) > 0  # it drafted, and learned from the outcomes
+
+
+def test_decode_many_leaves_k_to_the_engines_policy() -> None:
+    """Requests that leave K open draft what the engine's policy chooses for the batch, as
+    ``generate``'s and the server's do: where a verification block is dear, nothing. The
+    control: the same requests with K fixed draft every iteration."""
+    target = make_tiny_lm(seed=3)
+    # a compute-bound verifier, every size of a 2-row batch read: drafting cannot pay
+    dear = policy_with(0.010, {n: 0.050 * n for n in range(1, 19)})
+    engine = SpeculativeDecoder(
+        target, noisy_copy(target, 0.5, 1), spec_of(SpS(), None), max_batch=2, policy=dear
+    )
+    # two rows from start to end: a row left alone would meet costs its batch never read
+    requests = [
+        Request(prompt_ids=[5, 17, 3 + i], max_new_tokens=12, seed=i, ignore_eos=True)
+        for i in range(2)
+    ]
+    assert [r.stats.drafted for r in engine.decode_many(requests)] == [0, 0]
+    fixed = engine.decode_many(requests, spec=spec_of(SpS(), 4))
+    assert all(r.stats.drafted >= r.stats.iterations for r in fixed)

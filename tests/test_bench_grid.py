@@ -109,6 +109,29 @@ def test_a_cut_draft_head_expands_and_marks_ids() -> None:
         expand([parse_entry("ar:draft_vocab=5")], [6])
 
 
+def test_a_grids_draft_weights_expand_and_mark_ids() -> None:
+    """``draft_quant`` names the draft's weights per entry (both formats in one run, items
+    alternating); the run's own (None) keeps its id."""
+    grid = expand([parse_entry("cactus:delta=1:draft_quant=int8,int4:draft_vocab=99")], [6])
+    assert ids(grid) == [
+        "cactus(delta=1.0,exact=false)/K6/model/vocab99/draft-int8",
+        "cactus(delta=1.0,exact=false)/K6/model/vocab99/draft-int4",
+    ]
+    keys = ["--draft vocab=99 quant=int8", "--draft vocab=99 quant=int4"]
+    assert [c.draft_key for c in grid] == keys
+    assert grid[1].label == "cactus d=1.0 K6 vocab=99 draft-int4"
+    assert Config.from_dict(grid[1].as_dict()) == grid[1]
+    assert "draft_quant" not in expand([parse_entry("sps")], [6])[0].as_dict()
+    with pytest.raises(ValueError, match="draft_quant must be one of none, int8, int4, got 'int3'"):
+        expand([parse_entry("sps:draft_quant=int3")], [6])
+    with pytest.raises(ValueError, match="peer: draft_quant does not apply"):
+        expand([parse_entry("hf_assisted:draft_quant=int4")], [6])
+    with pytest.raises(ValueError, match="draft_quant applies to the model drafter, not ngram"):
+        expand([parse_entry("sps:drafter=ngram:draft_quant=int4")], [6])
+    with pytest.raises(ValueError, match="drafts nothing"):
+        expand([parse_entry("ar:draft_quant=int4")], [6])
+
+
 def test_entry_overrides_and_duplicates() -> None:
     grid = expand([parse_entry("sps:drafter=ngram:num_draft_tokens=3"), parse_entry("ar")] * 2)
     assert ids(grid) == ["sps/K3/ngram", "ar"]

@@ -257,20 +257,28 @@ def test_one_run_compares_draft_models(prompts: Path, models, tmp_path) -> None:
         run_bench(config, items, target, draft, tmp_path / "other")
 
 
-def test_one_run_compares_draft_heads(prompts: Path, models, tmp_path) -> None:
-    """A grid naming a cut head of the run's draft drafts with the model given under its key
-    (``--draft vocab=N``), records the head beside the run's, and refuses to run without it."""
+def test_one_run_compares_draft_heads_and_weights(prompts: Path, models, tmp_path) -> None:
+    """A grid naming a cut head or other weights of the run's draft drafts with the model
+    given under its key (``--draft vocab=N``, ``--draft quant=Q``), records it beside the
+    run's, and refuses to run without it."""
     target, draft = models
-    config = settings(prompts, grid=["sps", "sps:draft_vocab=7"])
-    assert config.other_drafts == {"--draft vocab=7": (None, 7)}
+    config = settings(prompts, grid=["sps", "sps:draft_vocab=7", "sps:draft_quant=int4"])
+    assert config.other_drafts == {
+        "--draft vocab=7": (None, 7, None),
+        "--draft quant=int4": (None, None, "int4"),
+    }
     items = load_items(config.task)
-    cut = {None: draft, "--draft vocab=7": target}  # the verifier keeps every draft it drafts
+    # the verifier keeps every draft it drafts
+    cut = {None: draft, "--draft vocab=7": target, "--draft quant=int4": target}
     summary = run_bench(config, items, target, cut, tmp_path / "o")
     by_id = {c["id"]: c for c in summary["configs"]}
     assert by_id["sps/K3/model/vocab7"]["draft_vocab"] == 7
-    assert by_id["sps/K3/model/vocab7"]["mean_accepted"] > by_id["sps/K3/model"]["mean_accepted"]
+    assert by_id["sps/K3/model/draft-int4"]["draft_quant"] == "int4"
+    for recast in ("sps/K3/model/vocab7", "sps/K3/model/draft-int4"):
+        assert by_id[recast]["mean_accepted"] > by_id["sps/K3/model"]["mean_accepted"]
     assert summary["run"]["models"]["other_drafts"]["--draft vocab=7"] is not None
-    assert "| 3 (model, vocab 7) |" in (tmp_path / "o" / "summary.md").read_text()
+    text = (tmp_path / "o" / "summary.md").read_text()
+    assert "| 3 (model, vocab 7) |" in text and "| 3 (model, int4 draft) |" in text
     with pytest.raises(ValueError, match="names draft models not given: --draft vocab=7"):
         run_bench(config, items, target, draft, tmp_path / "other")
 

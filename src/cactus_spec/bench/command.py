@@ -169,7 +169,7 @@ def main_bench(args: argparse.Namespace) -> int:
     items = load_items(settings.task)
     _check_seeds(settings.seed, len(items))
     others = settings.other_drafts
-    cut = any(name is None for name, _ in others.values())  # the run's draft, its head cut
+    cut = any(name is None for name, _, _ in others.values())  # the run's draft, recast
     options = _load_options(args, settings.needs_draft or cut)
     out = default_out(args, settings)
     check_writable_dir(out)
@@ -178,11 +178,11 @@ def main_bench(args: argparse.Namespace) -> int:
     drafts: dict[str | None, LoadedModel] = {}
     if options.draft is not None and settings.needs_draft:
         drafts[None] = load(options.draft, options.draft_quant, options.draft_vocab)
-    for key, (name, head) in others.items():
+    for key, (name, head, quant) in others.items():
         head = options.draft_vocab if head is None else head
         source = name or options.draft
         assert source is not None  # cut: the run's draft is named
-        drafts[key] = load(source, options.draft_quant, head)
+        drafts[key] = load(source, quant or options.draft_quant, head)
     run_bench(settings, items, verifiers, drafts, out, progress=not args.no_progress)
     sys.stdout.write((out / "summary.md").read_text())
     stderr.print(f"wrote results.jsonl, summary.json, summary.md and plots to {out}")

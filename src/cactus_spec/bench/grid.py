@@ -26,10 +26,12 @@ draft's confidence), ``draft`` (a draft model other than the run's ``--draft``, 
 path, for the engine's methods: one with another tokenizer drafts across vocabularies,
 ``sps:draft=smollm2-135m``), ``draft_vocab`` (the draft's LM head cut to its N most frequent
 tokens, of the entry's draft model or else the run's: ``sps:draft_vocab=32768``; default:
-``--draft-vocab``), or ``verifier`` (the verifier's weights, ``none``, ``int8`` or
-``int4``; default: ``--verifier-quant``) for every method but llama.cpp's, which runs the
-GGUF itself:
-``cactus:delta=1:verifier=none,int8`` compares both in one run. Cactus entries also take
+``--draft-vocab``), ``draft_quant`` (the draft's weights, ``none``, ``int8`` or ``int4``, of
+the entry's draft model or else the run's: ``cactus:draft_quant=int8,int4`` times both formats
+item by item in one run; default: ``--draft-quant``), or ``verifier`` (the verifier's
+weights, ``none``, ``int8`` or ``int4``; default: ``--verifier-quant``) for every method but
+llama.cpp's, which runs the GGUF itself: ``cactus:delta=1:verifier=none,int8`` compares both
+in one run. Cactus entries also take
 ``kl_budget`` and ``allocation`` (an answer's divergence budget, ``core.budget``):
 ``cactus:kl_budget=0.1,0.5:allocation=greedy,paced``.
 """
@@ -72,7 +74,10 @@ NAMES = (*METHODS, *PEERS)
 PEER_DRAFTERS = ("model", "ngram")
 #: Methods that take no K and no drafter (they draft nothing, or draft their own way).
 NO_DRAFT = (*(name for name, m in METHODS.items() if not m.drafts), "hf", *LLAMACPP_METHODS)
-_DRAFT_KEYS = ("num_draft_tokens", "drafter", "verification", "branches", "draft", "draft_vocab")
+_DRAFT_KEYS = (
+    "num_draft_tokens", "drafter", "verification", "branches", "draft", "draft_vocab",
+    "draft_quant",
+)  # fmt: skip
 
 Entry = tuple[str, dict[str, list]]
 
@@ -85,7 +90,8 @@ class Config:
     peer's K and drafter as SpS's spec (AR's for a peer that drafts nothing), the peer's own
     parameters in ``peer_params``. ``verifier``: the verifier's weights (llama.cpp runs the
     GGUF's own); ``draft``: another draft model (name or path; None: the run's ``--draft``);
-    ``draft_vocab``: its head cut to the N most frequent tokens (None: the run's)."""
+    ``draft_vocab``: its head cut to the N most frequent tokens (None: the run's);
+    ``draft_quant``: its weights (None: the run's)."""
 
     method: str
     decoding: DecodeSpec
@@ -93,6 +99,7 @@ class Config:
     verifier: str = "none"
     draft: str | None = None
     draft_vocab: int | None = None
+    draft_quant: str | None = None
 
     @property
     def params(self) -> tuple[tuple[str, object], ...]:
@@ -130,11 +137,15 @@ class Config:
     @property
     def draft_key(self) -> str | None:
         """Which loaded draft it drafts with: None for the run's (``--draft`` with
-        ``--draft-vocab``), else the model's name, ``NAME vocab=N`` for a cut head (``--draft
-        vocab=N``: the run's draft model)."""
-        if self.draft_vocab is None:
+        ``--draft-vocab`` and ``--draft-quant``), else the model's name, with `` vocab=N`` for
+        a cut head and `` quant=Q`` for other weights (``--draft vocab=N``: the run's draft
+        model)."""
+        if self.draft_vocab is None and self.draft_quant is None:
             return self.draft
-        return f"{self.draft or '--draft'} vocab={self.draft_vocab}"
+        words = [self.draft or "--draft"]
+        words += [] if self.draft_vocab is None else [f"vocab={self.draft_vocab}"]
+        words += [] if self.draft_quant is None else [f"quant={self.draft_quant}"]
+        return " ".join(words)
 
     @property
     def drafts(self) -> bool:
@@ -157,13 +168,15 @@ class Config:
         """A stable key, e.g. ``cactus(delta=0.5,exact=false)/K6/model`` (``=NAME`` after the
         drafter for another draft model, ``/vocabN`` after it for a draft head cut to N tokens,
         ``/block`` appended for block verification,
-        ``/tree2`` for trees of two nodes per depth judged top down, ``/traversal2`` leaf to
-        root, ``@int8`` for an int8 verifier)."""
+        ``/draft-int4`` after that for a draft in int4 weights, ``/block`` appended for block
+        verification, ``/tree2`` for trees of two nodes per depth judged top down,
+        ``/traversal2`` leaf to root, ``@int8`` for an int8 verifier)."""
         body = ",".join(f"{k}={_format(v)}" for k, v in self.params)
         head = f"{self.method}({body})" if body else self.method
         head = f"{head}/K{_k_text(self.num_draft_tokens)}/{self.drafter}" if self.drafts else head
         head = head if self.draft is None else f"{head}={self.draft}"
         head = head if self.draft_vocab is None else f"{head}/vocab{self.draft_vocab}"
+        head = head if self.draft_quant is None else f"{head}/draft-{self.draft_quant}"
         head = f"{head}/{self._judged}" if self.verification != "chain" else head
         return head if self.verifier == "none" else f"{head}@{self.verifier}"
 
@@ -181,6 +194,7 @@ class Config:
             words += [] if self.drafter == DEFAULT_DRAFTER else [str(self.drafter)]
             words += [] if self.draft is None else [f"draft={Path(self.draft).name}"]
             words += [] if self.draft_vocab is None else [f"vocab={self.draft_vocab}"]
+            words += [] if self.draft_quant is None else [f"draft-{self.draft_quant}"]
             words += [self._judged] if self.verification != "chain" else []
         words += [] if self.verifier == "none" else [f"{self.verifier}-verifier"]
         return " ".join(words)
@@ -203,6 +217,7 @@ class Config:
             "verification": self.verification,
             **({"draft": self.draft} if self.draft is not None else {}),  # as recorded before
             **({"draft_vocab": self.draft_vocab} if self.draft_vocab is not None else {}),
+            **({"draft_quant": self.draft_quant} if self.draft_quant is not None else {}),
             **({"branches": self.branches} if self.verification in TREES else {}),
         }
 
@@ -224,6 +239,7 @@ class Config:
             data.get("draft"),  # runs recorded before other draft models
             data.get("branches") if judged else None,
             data.get("draft_vocab"),  # runs recorded before cut draft heads
+            data.get("draft_quant"),  # and before a grid's draft weights
         )
 
 
@@ -245,6 +261,7 @@ def make_config(
     draft: object = None,
     branches: object = None,
     draft_vocab: object = None,
+    draft_quant: object = None,
 ) -> Config:
     """A validated configuration; values may be text (the command line). An engine method's
     parameters, K, drafter and verification are read by ``core.spec.parse_spec``, a peer's K
@@ -275,6 +292,7 @@ def make_config(
     _check_peer_drafter(method, drafter)
     draft = _draft_model(method, draft, drafter)
     draft_vocab = _draft_vocab(method, draft_vocab, drafter)
+    draft_quant = _draft_quant(method, draft_quant, drafter)
     try:
         if method in METHODS:
             judged = {"verification": verification, "branches": branches}
@@ -288,7 +306,8 @@ def make_config(
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
     spec = spec.with_num_draft_tokens(None) if auto and method not in NO_DRAFT else spec
-    return Config(method, spec, tuple(sorted(peer.items())), verifier, draft, draft_vocab)
+    peer_params = tuple(sorted(peer.items()))
+    return Config(method, spec, peer_params, verifier, draft, draft_vocab, draft_quant)
 
 
 def _budget(spec: DecodeSpec) -> dict[str, object]:
@@ -317,6 +336,16 @@ def _draft_vocab(method: str, size: object, drafter: object) -> int | None:
         return check_int("draft_vocab", _peer_int("draft_vocab", size))
     except ValueError as err:
         raise ValueError(f"{method}: {err}") from None
+
+
+def _draft_quant(method: str, quant: object, drafter: object) -> str | None:
+    """The draft weights named for an engine method that drafts with the model drafter."""
+    if quant is None:
+        return None
+    _model_drafter_only(method, "draft_quant", drafter)
+    if _text(quant) not in QUANTS:
+        raise ValueError(f"{method}: draft_quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    return _text(quant)
 
 
 def _model_drafter_only(method: str, key: str, drafter: object, peer_note: str = "") -> None:
@@ -357,13 +386,14 @@ def expand(
     drafts: Sequence[str | None] = (None,),
     branches: Sequence[int | None] = (None,),
     draft_vocabs: Sequence[int | None] = (None,),
+    draft_quants: Sequence[str | None] = (None,),
 ) -> tuple[Config, ...]:
     """Every configuration of every entry, in order, without duplicates. ``verifiers``: the
     verifier formats of entries that name none (llama.cpp's always run the GGUF);
     ``verifications``: how the engine's drafting entries that name none judge drafts
     (None: chain); ``drafts``: their draft models (None: the run's); ``branches``: their
     trees' nodes per depth (None: the default, for trees); ``draft_vocabs``: their draft heads
-    (None: the draft's own)."""
+    (None: the draft's own); ``draft_quants``: their draft weights (None: the run's)."""
     ks = list(ks or [DEFAULT_NUM_DRAFT_TOKENS])
     configs: dict[str, Config] = {}
     for method, lists in entries:
@@ -378,14 +408,15 @@ def expand(
         draft_values = lists.get("draft", drafts if method in METHODS else [None])
         widths = lists.get("branches", branches if method in METHODS else [None])
         heads = lists.get("draft_vocab", draft_vocabs if method in METHODS else [None])
+        formats = lists.get("draft_quant", draft_quants if method in METHODS else [None])
         if "branches" in lists and not set(TREES) & {_text(v) for v in judged}:
             raise ValueError(
                 f"{method}: branches applies to verification {' or '.join(TREES)} only"
             )
         names = [name for name in lists if name not in (*_DRAFT_KEYS, "verifier")]
         axes = (*(lists[name] for name in names), k_values, drafter_values, verifier_values)
-        for combo in itertools.product(*axes, judged, draft_values, widths, heads):
-            *values, k, drafter, verifier, verification, draft, width, head = combo
+        for combo in itertools.product(*axes, judged, draft_values, widths, heads, formats):
+            *values, k, drafter, verifier, verification, draft, width, head, quant = combo
             params = dict(zip(names, values, strict=True))
             config = make_config(
                 method,
@@ -397,6 +428,7 @@ def expand(
                 draft,
                 _tree_only(width, verification),
                 head,
+                quant,
             )
             configs.setdefault(config.id, config)
     if not configs:
@@ -455,7 +487,8 @@ def load_grid_file(path: str | Path, verifier: str = "none") -> tuple[Config, ..
     drafts = _listed(raw.get("draft", [None]))
     widths = _listed(raw.get("branches", [None]))
     heads = _listed(raw.get("draft_vocab", [None]))
-    return expand(entries, ks, drafters, verifiers, verifications, drafts, widths, heads)
+    quants = _listed(raw.get("draft_quant", [None]))
+    return expand(entries, ks, drafters, verifiers, verifications, drafts, widths, heads, quants)
 
 
 def _read_structured(path: Path) -> dict:

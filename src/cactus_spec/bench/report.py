@@ -48,6 +48,7 @@ def _k(config: dict) -> str:
     block += str(config["branches"]) if judged in TREES else ""
     drafter = config["drafter"] if config.get("draft") is None else Path(config["draft"]).name
     drafter += "" if config.get("draft_vocab") is None else f", vocab {config['draft_vocab']}"
+    drafter += "" if config.get("draft_quant") is None else f", {config['draft_quant']} draft"
     return f"{'auto' if k is None else k} ({drafter}{block})"
 
 

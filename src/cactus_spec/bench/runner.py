@@ -108,10 +108,15 @@ class BenchSettings:
         return any(c.decoding.needs_draft_model and c.draft_key is None for c in self.grid)
 
     @property
-    def other_drafts(self) -> dict[str, tuple[str | None, int | None]]:
+    def other_drafts(self) -> dict[str, tuple[str | None, int | None, str | None]]:
         """The drafts the grid names besides the run's, in grid order: ``{Config.draft_key:
-        (model name, or None for the run's draft model; head size, or None for --draft-vocab)}``."""
-        return {c.draft_key: (c.draft, c.draft_vocab) for c in self.grid if c.draft_key is not None}
+        (model name, or None for the run's draft model; head size, or None for --draft-vocab;
+        weights, or None for --draft-quant)}``."""
+        return {
+            c.draft_key: (c.draft, c.draft_vocab, c.draft_quant)
+            for c in self.grid
+            if c.draft_key is not None
+        }
 
     @property
     def verifiers(self) -> list[str]:

@@ -208,7 +208,7 @@ def summarise(
 def _versus_sps(config: Config, grid: Sequence[Config], by_config: dict[str, Rows]) -> dict:
     """A drafting configuration's per-item tokens/s over chain SpS's with the same drafting
     (K, drafter, draft model and head, verifier), when the run holds one: median [min, max]."""
-    same = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "verifier")
+    same = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "draft_quant", "verifier")
     sps = next(
         (
             c
@@ -314,7 +314,7 @@ def _chain_sps(configs: Sequence[dict]) -> dict[tuple, dict]:
 def _drafting(config: dict) -> tuple:
     """What a configuration drafts with: K, the drafter, the draft model and its head, and
     the verifier."""
-    keys = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "verifier")
+    keys = ("num_draft_tokens", "drafter", "draft", "draft_vocab", "draft_quant", "verifier")
     return tuple(config.get(key) for key in keys)
 
 

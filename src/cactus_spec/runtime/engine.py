@@ -86,9 +86,9 @@ class SpeculativeDecoder:
     verifier is not.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
     (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
-    to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` where
-    the spec leaves it open (default: one timed on these models when first needed,
-    ``calibrated_policy``).
+    to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` and
+    ``decode_many`` where a spec leaves it open (default: one timed on these models when
+    first needed, ``calibrated_policy``).
     """
 
     def __init__(
@@ -137,7 +137,7 @@ class SpeculativeDecoder:
         prefixes = PrefixCache(enabled=bool(prefix_cache))
         self._stepper = Stepper(self._backend, self._drafter, self.vocab_size, prefixes)
         self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids, grammar_limits)
-        self._policy = policy  # generate's where K is left open; None: timed when first needed
+        self._policy = policy  # where K is left open; None: timed when first needed
 
     def _make_drafter(self, options: LoadOptions) -> Drafter | None:
         """The spec's drafter, from its registered builder; the draft model loaded first
@@ -329,7 +329,7 @@ class SpeculativeDecoder:
             self.check_grammar(grammar)
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
-        policy = self._single_stream_policy() if spec.auto_k else None
+        policy = self._own_policy() if spec.auto_k else None
         generation = self.new_generation(request, row=0)
         try:
             self._stepper.prefill([generation])
@@ -355,9 +355,10 @@ class SpeculativeDecoder:
         timing = self.step([generation], [k], [policy.keep_drafting])
         policy.observe(timing)
 
-    def _single_stream_policy(self) -> SpeculationPolicy | None:
-        """The policy of ``generate`` calls that leave K open: calibrated once, then kept (it
-        learns this engine's acceptance as it goes); None when nothing is drafted."""
+    def _own_policy(self) -> SpeculationPolicy | None:
+        """The policy of ``generate`` and ``decode_many`` calls that leave K open: calibrated
+        once, then kept (it learns this engine's acceptance as it goes); None when nothing is
+        drafted."""
         if self._policy is None:
             self._policy = self.calibrated_policy()
         return self._policy
@@ -374,13 +375,17 @@ class SpeculativeDecoder:
         """Decode every request by its own spec and sampling, else ``spec`` (default: the
         engine's) and ``sampling`` (default: ``SamplingConfig()``), ``max_batch`` rows at a
         time (``batch.decode_all``); the results in the requests' order, each also handed to
-        ``on_result(index, result)`` as it finishes. Every request is checked first."""
+        ``on_result(index, result)`` as it finishes. Every request is checked first. Where a
+        request leaves K open, ``policy`` (default: the engine's own, as ``generate``'s)
+        chooses it for the batch each iteration, as the server's does."""
         spec = self._spec(spec)
         for index, request in enumerate(requests):
             try:
                 self._check_request(request, spec)
             except ValueError as err:
                 raise ValueError(f"requests[{index}]: {err}") from None
+        if policy is None and any((r.spec or spec).auto_k for r in requests):
+            policy = self._own_policy()
         sampling = SamplingConfig() if sampling is None else sampling
         return decode_all(self, requests, sampling, spec, policy=policy, on_result=on_result)
 
