@@ -284,6 +284,14 @@ def test_long_rows_of_similar_lengths_share_a_forward() -> None:
     ]
 
 
+def test_short_rows_share_a_forward_unless_padding_would_more_than_double_it() -> None:
+    roomy = [1000] * 8
+    assert _forward_groups([11, 11, 11, 11, 1, 1, 1, 1], roomy) == [list(range(8))]
+    assert _forward_groups([11, 1, 1, 1, 1, 1, 1, 1], roomy) == [[0], list(range(1, 8))]
+    assert _forward_groups([1, 9, 1, 11, 1, 1, 1, 1], roomy) == [[1, 3], [0, 2, 4, 5, 6, 7]]
+    assert _forward_groups([1] * 8, roomy) == [list(range(8))]
+
+
 def test_a_row_at_the_context_end_beside_a_drafting_row_decodes() -> None:
     """An autoregressive row whose prompt and budget fill the cache, batched with a row that
     drafts K = 8: padding its one token to the drafting row's nine would write past its
