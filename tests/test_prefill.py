@@ -290,6 +290,7 @@ def test_short_rows_share_a_forward_unless_padding_would_more_than_double_it() -
     assert _forward_groups([11, 1, 1, 1, 1, 1, 1, 1], roomy) == [[0], list(range(1, 8))]
     assert _forward_groups([1, 9, 1, 11, 1, 1, 1, 1], roomy) == [[1, 3], [0, 2, 4, 5, 6, 7]]
     assert _forward_groups([1] * 8, roomy) == [list(range(8))]
+    assert _forward_groups([16, 2, 2, 2], roomy[:4]) == [[0, 1, 2, 3]]  # no row fed one
 
 
 def test_a_row_at_the_context_end_beside_a_drafting_row_decodes() -> None:

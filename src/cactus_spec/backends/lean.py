@@ -433,7 +433,9 @@ def _short_groups(short: list[int], lengths: list[int]) -> list[list[int]]:
     padded = len(short) * max(lengths[i] for i in short)
     if padded <= 2 * sum(lengths[i] for i in short):
         return [short]
-    return [[i for i in short if lengths[i] > 1], [i for i in short if lengths[i] == 1]]
+    wide = [i for i in short if lengths[i] > 1]
+    ones = [i for i in short if lengths[i] == 1]
+    return [group for group in (wide, ones) if group]
 
 
 def _by_width(lengths: list[int]) -> list[list[int]]:
