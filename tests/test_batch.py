@@ -484,6 +484,28 @@ def test_an_answers_opening_is_learned_apart_from_the_rows_chances() -> None:
     assert policy.chances(fresh)[0] < pooled[0] - 0.1
 
 
+def test_rows_still_decoding_teach_the_pool() -> None:
+    """Eight rows that began together, none finished, each past its opening with 3 of 3
+    drafts kept in four iterations: the pool's chances are theirs (near 1), not the prior of
+    1/2 that leaves each row's few counts shrunk halfway back, and the batch drafts further.
+    The control: the pool over the finished generations alone, none, is the prior."""
+    d = decoder(1)
+    policy = policy_with(0.010, {1: 0.050, 8: 0.055, 32: 0.110, 88: 0.300})
+    policy.pool_accepted, policy.pool_reached = [0.0] * 8, [0.0] * 8  # none finished
+    policy.judged = 100  # past its probe
+    rows = [generation(d, [1, 2, 3], spec_of(SpS(), None)) for _ in range(8)]
+    for g in rows:
+        for _ in range(5):
+            g.stats.record(3, 3, 4)
+    assert policy.pool_chances() == pytest.approx([0.5] * 8)
+    live = policy.pool_chances(rows)
+    assert min(live) > 0.9  # 32 drafts kept of 32 at positions 1-3; 4 on takes position 3's
+    g = rows[0]  # 4 counts a position of its own, shrunk towards the pool's 4
+    assert expected_tokens(policy.chances(g, policy.pool_chances()), 3) < 3.1
+    together = expected_tokens(policy.chances(g, live), 3)
+    assert together > 3.8 and policy.forecast(rows, [0] * 8)[3][0] == pytest.approx(8 * together)
+
+
 def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     """Where a verification block costs three plain steps, the prior rate of 1/2 never pays
     for drafting; a fresh policy drafts K_max to the end until it has seen 100 drafts
@@ -539,28 +561,66 @@ AMX_VERIFY = {1: 0.050, 4: 0.052, 8: 0.055, 16: 0.060, 32: 0.090, 64: 0.150, 128
 AMX_DRAFT = {1: 0.005, 4: 0.008, 16: 0.020}
 
 
-def test_a_probe_drafts_on_the_rows_whose_drafters_caught_up() -> None:
-    """A fresh policy (probing) over 4 rows that leave K open and one that fixed K = 3:
-    with no drafter caught up, only the row that lags least probes (the others would each
-    read a whole context first); with two caught up (lags of 1 and 2 tokens), those two;
-    the fixed row keeps its K. The control: past the probe, every row that leaves K open
-    drafts the batch's K, whatever its lag."""
+def test_a_probe_drafts_on_as_many_rows_as_pays() -> None:
+    """A fresh policy (probing) over 8 new rows that leave K open and one that fixed K = 3,
+    with AMX's cheap blocks but a dear draft step: one row drafting while seven wait cannot
+    pay, eight can. With their drafters' reads cheap, all eight probe at one K and the fixed
+    row keeps its K; with reads dear, none probes (the control: the same rows, past the probe,
+    draft once caught up)."""
     d = decoder(1)
-    rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in range(4)]
+    lags = [158, 40, 300, 90, 120, 60, 200, 80]
+    prompt, auto = list(range(1, 159)), spec_of(SpS(), None)
+    rows = [generation(d, prompt, auto, max_new_tokens=200) for _ in lags]
     fixed = generation(d, [1, 2, 3], spec_of(SpS(), 3))
+    fresh = SpeculationPolicy(max_draft_tokens=10)
+    for tokens, seconds in AMX_VERIFY.items():
+        fresh.verify.observe(tokens, seconds)
+    fresh.draft.observe(1, 0.010)
+    fresh.draft.observe(16, 0.030)
+    fresh.catch_up_token_s = 0.001
+    assert fresh.probing()
+    ks = fresh.choose([*rows, fixed], [*lags, 0])
+    assert len(set(ks[:8])) == 1 and ks[0] > 0 and ks[8] == 3
+    fresh.catch_up_token_s = 0.050
+    assert fresh.choose([*rows, fixed], [*lags, 0]) == [0] * 8 + [3]
+    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
+    fresh.verify.observe(12, 0.058)  # plain decoding's batch (8 + 3 + 1 tokens), read
+    ks = fresh.choose([*rows, fixed], [0] * 9)
+    assert not fresh.probing() and len(set(ks[:8])) == 1 and ks[0] > 0
+
+
+def test_a_probe_pays_one_drafters_read_where_one_row_drafting_pays() -> None:
+    """With cheap draft steps one row drafting pays even while seven wait: where the reads are
+    dear, only the row that lags least probes (its read left out of the forecast), where they
+    are cheap, more rows join it."""
+    d = decoder(1)
+    lags = [158, 40, 300, 90, 120, 60, 200, 80]
+    rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in lags]
     fresh = SpeculationPolicy(max_draft_tokens=10)
     for tokens, seconds in AMX_VERIFY.items():
         fresh.verify.observe(tokens, seconds)
     for batch, seconds in AMX_DRAFT.items():
         fresh.draft.observe(batch, seconds)
-    assert fresh.probing()
-    ks = fresh.choose([*rows, fixed], [158, 40, 300, 90, 0])
-    assert ks[1] > 0 and ks[0] == ks[2] == ks[3] == 0 and ks[4] == 3
-    ks = fresh.choose([*rows, fixed], [1, 158, 2, 300, 0])
-    assert ks[0] == ks[2] > 0 and ks[1] == ks[3] == 0 and ks[4] == 3
-    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
-    ks = fresh.choose([*rows, fixed], [1, 158, 2, 300, 0])
-    assert not fresh.probing() and len(set(ks[:4])) == 1 and ks[0] > 0
+    fresh.catch_up_token_s = 0.050
+    ks = fresh.choose(rows, lags)
+    assert ks[1] > 0 and ks.count(0) == 7
+    fresh.catch_up_token_s = 0.0005
+    assert fresh.choose(rows, lags).count(0) < 7
+
+
+def test_the_forecast_counts_the_tokens_of_rows_that_do_not_draft() -> None:
+    """One row that leaves K open beside seven autoregressive ones: E(K) is the batch's eight
+    tokens plus the row's kept drafts, so drafting one token, which pays for the row alone
+    (the control), does not pay for the batch, whose seven rows wait for its draft step."""
+    d = decoder(1)
+    g = generation(d, [1, 2, 3], spec_of(Cactus(1.0), None))
+    plain = [generation(d, [1, 2, 3], AR) for _ in range(7)]
+    policy = policy_with(0.020, {1: 0.050, 8: 0.055, 9: 0.0557, 18: 0.120})
+    forecast = policy.forecast([g, *plain], [0] * 8)
+    assert forecast[0][0] == 8
+    assert forecast[1][0] == pytest.approx(8 + policy.chances(g)[0])
+    assert policy.choose([g], [0]) != [0]
+    assert policy.choose([g, *plain], [0] * 8) == [0] * 8
 
 
 def test_the_policy_counts_the_drafters_catch_up_on_skipped_tokens() -> None:

@@ -329,7 +329,7 @@ class SpeculativeDecoder:
             self.check_grammar(grammar)
         if penalties is not None:
             penalties.check_tokens(self.vocab_size)
-        policy = self._own_policy() if spec.auto_k else None
+        policy = self.own_policy() if spec.auto_k else None
         generation = self.new_generation(request, row=0)
         try:
             self._stepper.prefill([generation])
@@ -355,10 +355,10 @@ class SpeculativeDecoder:
         timing = self.step([generation], [k], [policy.keep_drafting])
         policy.observe(timing)
 
-    def _own_policy(self) -> SpeculationPolicy | None:
+    def own_policy(self) -> SpeculationPolicy | None:
         """The policy of ``generate`` and ``decode_many`` calls that leave K open: calibrated
-        once, then kept (it learns this engine's acceptance as it goes); None when nothing is
-        drafted."""
+        on the first call (a few seconds: call it before timing), then kept (it learns this
+        engine's acceptance as it goes); None when nothing is drafted."""
         if self._policy is None:
             self._policy = self.calibrated_policy()
         return self._policy
@@ -385,7 +385,7 @@ class SpeculativeDecoder:
             except ValueError as err:
                 raise ValueError(f"requests[{index}]: {err}") from None
         if policy is None and any((r.spec or spec).auto_k for r in requests):
-            policy = self._own_policy()
+            policy = self.own_policy()
         sampling = SamplingConfig() if sampling is None else sampling
         return decode_all(self, requests, sampling, spec, policy=policy, on_result=on_result)
 

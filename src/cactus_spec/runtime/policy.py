@@ -5,16 +5,18 @@ it, with chance a_bj. Drafting K tokens for each row yields in expectation
 
     E(K) = sum_b (1 + S_b1 + ... + S_bK),   S_bj = a_b1 ... a_bj     tokens (kept drafts + one)
 
-The chances are estimated per position, because acceptance runs in stretches: where
-rejections fall mostly on an iteration's first drafts, one rate for all positions, held down
-by them, undervalues the later drafts, and with them long chains. The pool's chance at
-position j, over the generations that finished, is r_j = (A_j + P r_(j-1)) / (R_j + P)
-(A_j, R_j: drafts kept and reached at j; P = ``_PRIOR_POSITIONS``; r_0 = 1/2); a row's is
-its own counts shrunk the same way, towards m_j = a_b(j-1) r_j / r_(j-1) (its level, the
-pool's change along the chain; m_1 = r_1), so a position not yet reached takes the rate of
-the one before it. A row's first iteration (its answer's opening) is counted apart: where
-an answer starts, a draft and its verifier often disagree on the first token (a code fence
-or a sentence), and one such rejection, counted as the row's, would sink its level at every
+(a row that fixed its own K counts its own K's tokens at the pool's chances, and a row at
+K = 0 one: the batch's tokens, not only the drafting rows'). The chances are estimated per
+position, because acceptance runs in stretches: where rejections fall mostly on an
+iteration's first drafts, one rate for all positions, held down by them, undervalues the
+later drafts, and with them long chains. The pool's chance at position j, over the
+generations that finished and those decoding, is r_j = (A_j + P r_(j-1)) / (R_j + P) (A_j,
+R_j: drafts kept and reached at j; P = ``_PRIOR_POSITIONS``; r_0 = 1/2); a row's is its own
+counts shrunk the same way, towards m_j = a_b(j-1) r_j / r_(j-1) (its level, the pool's
+change along the chain; m_1 = r_1), so a position not yet reached takes the rate of the one
+before it. A row's first iteration (its answer's opening) is counted apart: where an answer
+starts, a draft and its verifier often disagree on the first token (a code fence or a
+sentence), and one such rejection, counted as the row's, would sink its level at every
 position and stop it drafting for good. A row that has not iterated yet takes the openings'
 pool, o_j = (A°_j + P r_j) / (R°_j + P) over the finished generations' first iterations;
 every later iteration's counts (the row's, the pool's r_j) leave the opening out.
@@ -76,17 +78,20 @@ than what it says of the machine). All costs scale with p together, so the K cho
 on their ratios alone, which p's noise leaves unchanged.
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
-drafts, rows that leave K open draft, to the end, the K that would pay best were every
-draft kept and every drafter caught up (K_max before any cost was measured); only rows whose
-drafters have caught up (lag at most ``STEP_CATCH_UP`` tokens) probe, or, with none, the one
-that lags least, so a batch of B new rows pays one drafter's read of its context, not B. A
-policy that drafted only where its prior (a rate of 1/2) promised a gain would never learn a
-higher rate where a verification block costs several plain steps (a float32 verifier on a
-CPU without AMX): it would decode plainly forever, right or wrong. A probe that drafted
-K_max whatever the batch would stall a wave of joining rows: at 16 rows a block of 176
-tokens costs more than the plain steps its tokens replace, and each drafter first reads its
-prompt. The drafters' reads are left out of the probe's forecast: they are paid once, and a
-lone row's read would otherwise keep it from ever drafting.
+drafts, some rows that leave K open draft, to the end, the K that would pay best were every
+draft kept (K_max before any cost was measured). Which rows: for P = 1, 2, ... of them,
+least lagging first, the P whose best K pays best, the first row's read left out of the
+forecast (a lone row's read would otherwise keep it from ever drafting) and the others'
+weighed as above. A policy that drafted only where its prior (a rate of 1/2) promised a
+gain would never learn a higher rate where a verification block costs several plain steps
+(a float32 verifier on a CPU without AMX): it would decode plainly forever, right or wrong.
+A probe that drafted K_max whatever the batch would stall a wave of joining rows: at 16
+rows a block of 176 tokens costs more than the plain steps its tokens replace, and each
+drafter first reads its prompt. A probe on one row of eight new ones (its drafter caught
+up, the others not) cannot pay: the seven wait for its K_max draft steps (AMX, int8 pair,
+8 rows: 0.46 s an iteration for 18 tokens, where plain decoding takes 0.11 s for 8), so all
+eight probe, at K = 3, where their reads are cheap beside the gain (AMX), and one row or
+none where they are dear.
 """
 
 from __future__ import annotations
@@ -240,11 +245,18 @@ class SpeculationPolicy:
     def catch_up_token_s(self, seconds: float) -> None:
         self._catch_up_token = seconds / self.pace.factor
 
-    def pool_chances(self) -> list[float]:
+    def pool_chances(self, live: Sequence[Generation] = ()) -> list[float]:
         """r_1..r_Kmax: the pool's chance of keeping the j-th draft once every draft before it
-        was kept, each position shrunk towards the one before it (the module docstring)."""
+        was kept, each position shrunk towards the one before it (the module docstring), over
+        the generations that finished and the ``live`` ones, still decoding."""
+        pooled_kept, pooled_reached = list(self.pool_accepted), list(self.pool_reached)
+        for g in live:
+            kept, reached = _after_opening(g)
+            for j in range(min(len(reached), self.max_draft_tokens)):
+                pooled_kept[j] += kept[j]
+                pooled_reached[j] += reached[j]
         chances, prior = [], _FIRST_PRIOR
-        for accepted, reached in zip(self.pool_accepted, self.pool_reached, strict=True):
+        for accepted, reached in zip(pooled_kept, pooled_reached, strict=True):
             prior = (accepted + _PRIOR_POSITIONS * prior) / (reached + _PRIOR_POSITIONS)
             chances.append(prior)
         return chances
@@ -274,8 +286,7 @@ class SpeculationPolicy:
         if not any(g.spec.auto_k for g in generations):
             return [_fixed_k(g) for g in generations]
         if self.probing():
-            probes = _probe_rows(generations, behind)
-            best = self._probe_k(generations, probes)
+            probes, best = self._probe(generations, behind)
             return [best * probe if g.spec.auto_k else _fixed_k(g)
                     for g, probe in zip(generations, probes, strict=True)]  # fmt: skip
         if _plain_tokens(generations) not in self.verify.read:
@@ -284,17 +295,33 @@ class SpeculationPolicy:
             best = _best_k(self.forecast(generations, behind))
         return [best if g.spec.auto_k else _fixed_k(g) for g in generations]
 
-    def _probe_k(self, generations: Sequence[Generation], probes: Sequence[bool]) -> int:
-        """While probing: the K that would pay best were the ``probes`` rows to draft (the
-        others at K = 0 or their own K), every draft kept and every drafter caught up (K_max
-        before any cost was measured), so a probe drafts only where drafting can pay at all,
-        and pays a drafter's read once to learn the acceptance that decides the rest."""
+    def _probe(
+        self, generations: Sequence[Generation], behind: Sequence[int]
+    ) -> tuple[list[bool], int]:
+        """While probing: which rows draft, and K. For P = 1, 2, ... of the rows that leave K
+        open, least lagging first, the K that would pay best were those P to draft with every
+        draft kept (the others at K = 0 or their own K), and the P whose K pays best (the
+        fewest of equals; none where no K pays: K_max for the least lagging before any cost
+        was measured). The least lagging row's read is left out of its forecast, so a probe
+        pays one drafter's read to learn the acceptance that decides the rest; every other
+        probing row's read is weighed as ``forecast`` weighs it."""
+        order = sorted((i for i, g in enumerate(generations) if g.spec.auto_k),
+                       key=behind.__getitem__)  # fmt: skip
         if not self.verify.sizes:
-            return self.max_draft_tokens
-        auto = [g for g, probe in zip(generations, probes, strict=True) if probe]
-        rest = [g for g, probe in zip(generations, probes, strict=True) if not probe]
-        chances = [[1.0] * self.max_draft_tokens for _ in auto]
-        return _best_k(self._forecast(auto, chances, [0] * len(auto), rest))
+            return [i == order[0] for i in range(len(generations))], self.max_draft_tokens
+        probes, best, best_rate = [False] * len(generations), 0, 0.0
+        pool, certain = self.pool_chances(generations), [1.0] * self.max_draft_tokens
+        for p in range(1, len(order) + 1):
+            chosen = set(order[:p])
+            auto = [generations[i] for i in order[:p]]
+            lags = [0, *(behind[i] for i in order[1:p])]
+            rest = [g for i, g in enumerate(generations) if i not in chosen]
+            forecast = self._forecast(auto, [certain] * p, lags, rest, pool)
+            k = _best_k(forecast)
+            if k > 0 and forecast[k][0] / forecast[k][1] > best_rate:
+                probes = [i in chosen for i in range(len(generations))]
+                best, best_rate = k, forecast[k][0] / forecast[k][1]
+        return probes, best
 
     def forecast(
         self, generations: Sequence[Generation], behind: Sequence[int]
@@ -305,8 +332,8 @@ class SpeculationPolicy:
         auto = [g for g in generations if g.spec.auto_k]
         lags = [n for g, n in zip(generations, behind, strict=True) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
-        pool = self.pool_chances()
-        return self._forecast(auto, [self.chances(g, pool) for g in auto], lags, fixed)
+        pool = self.pool_chances(generations)
+        return self._forecast(auto, [self.chances(g, pool) for g in auto], lags, fixed, pool)
 
     def _forecast(
         self,
@@ -314,14 +341,17 @@ class SpeculationPolicy:
         chances: list[list[float]],
         lags: list[int],
         fixed: list[Generation],
+        pool: Sequence[float],
     ) -> list[tuple[float, float]]:
         widths = [g.verification.branches for g in auto]
         fixed_tokens = _plain_tokens(fixed)
+        fixed_emitted = sum(expected_tokens(pool, _fixed_k(g)) for g in fixed)
         drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
         rows = sum(widths) + sum(drafting)  # rows of one draft step
 
         owed = [(i, g.remaining) for i, g in enumerate(auto) if lags[i] > _STEADY_LAG]
-        catch_up = len(auto) * self.catch_up_token_s * sum(lags[i] for i, _ in owed)  # B c L
+        batch = len(auto) + len(fixed)
+        catch_up = batch * self.catch_up_token_s * sum(lags[i] for i, _ in owed)  # B c L
 
         def forecast(k: int) -> tuple[float, float]:
             per_row = [expected_tokens(c, k) for c in chances]
@@ -330,7 +360,7 @@ class SpeculationPolicy:
                 cost += k * self.draft.estimate(rows)
             if k > 0 and owed:  # over N(K), the iterations the lagging rows have left
                 cost += catch_up / sum(max(1.0, left / per_row[i]) for i, left in owed)
-            return sum(per_row), cost
+            return fixed_emitted + sum(per_row), cost
 
         return [forecast(k) for k in range(self.max_draft_tokens + 1)]
 
@@ -448,16 +478,6 @@ def _after_opening(g: Generation) -> tuple[list[int], list[int]]:
     kept = [n - (j < opened_kept) for j, n in enumerate(g.stats.accepted_by_position)]
     reached = [n - (j < opened) for j, n in enumerate(g.stats.reached_by_position)]
     return kept, reached
-
-
-def _probe_rows(generations: Sequence[Generation], behind: Sequence[int]) -> list[bool]:
-    """The rows that leave K open and whose drafters lag at most ``STEP_CATCH_UP`` tokens;
-    when there is none, the one whose drafter lags least: a probe learns acceptance, and
-    every drafter it starts reads its row's whole context first."""
-    auto = [i for i, g in enumerate(generations) if g.spec.auto_k]
-    ready = [i for i in auto if behind[i] <= STEP_CATCH_UP]
-    chosen = set(ready or [min(auto, key=behind.__getitem__)])
-    return [i in chosen for i in range(len(generations))]
 
 
 def _plain_tokens(generations: Sequence[Generation]) -> int:
