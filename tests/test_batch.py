@@ -526,6 +526,20 @@ def test_a_new_policy_measures_acceptance_before_its_estimate_decides() -> None:
     assert fresh.choose([g], [0]) == [0]
 
 
+def fresh_policy(
+    verify: dict[int, float], draft: dict[int, float], catch_up_token_s: float
+) -> SpeculationPolicy:
+    """A policy that has measured these costs (seconds by tokens, by rows, a token's read)
+    and no acceptance yet: probing, with K_max = 10."""
+    policy = SpeculationPolicy(max_draft_tokens=10)
+    for tokens, seconds in verify.items():
+        policy.verify.observe(tokens, seconds)
+    for rows, seconds in draft.items():
+        policy.draft.observe(rows, seconds)
+    policy.catch_up_token_s = catch_up_token_s
+    return policy
+
+
 #: A calibration held to AVX2 (the default pair, int8 verifier): seconds by tokens or rows.
 AVX2_VERIFY = {1: 0.046, 2: 0.067, 4: 0.099, 8: 0.167, 16: 0.239, 32: 0.494, 64: 0.937,
                128: 1.842, 176: 2.457}  # fmt: skip
@@ -541,12 +555,7 @@ def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
     0.98 a draft, that read keeps the row from drafting, and drafting pays once it is read."""
     d = decoder(1)
     rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in range(16)]
-    fresh = SpeculationPolicy(max_draft_tokens=10)
-    for tokens, seconds in AVX2_VERIFY.items():
-        fresh.verify.observe(tokens, seconds)
-    for batch, seconds in AVX2_DRAFT.items():
-        fresh.draft.observe(batch, seconds)
-    fresh.catch_up_token_s = 0.005
+    fresh = fresh_policy(AVX2_VERIFY, AVX2_DRAFT, catch_up_token_s=0.005)
     assert fresh.probing()
     assert fresh.choose(rows, [0] * 16) == [0] * 16
     assert fresh.choose(rows[:1], [158]) == [10]
@@ -572,12 +581,7 @@ def test_a_probe_drafts_on_as_many_rows_as_pays() -> None:
     prompt, auto = list(range(1, 159)), spec_of(SpS(), None)
     rows = [generation(d, prompt, auto, max_new_tokens=200) for _ in lags]
     fixed = generation(d, [1, 2, 3], spec_of(SpS(), 3))
-    fresh = SpeculationPolicy(max_draft_tokens=10)
-    for tokens, seconds in AMX_VERIFY.items():
-        fresh.verify.observe(tokens, seconds)
-    fresh.draft.observe(1, 0.010)
-    fresh.draft.observe(16, 0.030)
-    fresh.catch_up_token_s = 0.001
+    fresh = fresh_policy(AMX_VERIFY, {1: 0.010, 16: 0.030}, catch_up_token_s=0.001)
     assert fresh.probing()
     ks = fresh.choose([*rows, fixed], [*lags, 0])
     assert len(set(ks[:8])) == 1 and ks[0] > 0 and ks[8] == 3
@@ -596,12 +600,7 @@ def test_a_probe_pays_one_drafters_read_where_one_row_drafting_pays() -> None:
     d = decoder(1)
     lags = [158, 40, 300, 90, 120, 60, 200, 80]
     rows = [generation(d, list(range(1, 159)), spec_of(SpS(), None)) for _ in lags]
-    fresh = SpeculationPolicy(max_draft_tokens=10)
-    for tokens, seconds in AMX_VERIFY.items():
-        fresh.verify.observe(tokens, seconds)
-    for batch, seconds in AMX_DRAFT.items():
-        fresh.draft.observe(batch, seconds)
-    fresh.catch_up_token_s = 0.050
+    fresh = fresh_policy(AMX_VERIFY, AMX_DRAFT, catch_up_token_s=0.050)
     ks = fresh.choose(rows, lags)
     assert ks[1] > 0 and ks.count(0) == 7
     fresh.catch_up_token_s = 0.0005

@@ -1,4 +1,4 @@
-"""How far to draft, from measured costs, so that speculation is never slower than plain decoding.
+"""How far to draft: K from measured costs, and none where drafting is forecast not to pay.
 
 In an iteration over B rows, row b keeps its j-th draft, once it kept every draft before
 it, with chance a_bj. Drafting K tokens for each row yields in expectation
