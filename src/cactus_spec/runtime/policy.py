@@ -82,14 +82,14 @@ drafts, some rows that leave K open draft, to the end, the K that would pay best
 draft kept (K_max before any cost was measured). Which rows: for P = 1, 2, ... of them,
 least lagging first, the P whose best K pays best, the first row's read left out of the
 forecast (a lone row's read would otherwise keep it from ever drafting) and the others'
-weighed as above. A policy that drafted only where its prior (a rate of 1/2) promised a
-gain would never learn a higher rate where a verification block costs several plain steps
-(a float32 verifier on a CPU without AMX): it would decode plainly forever, right or wrong.
-A probe that drafted K_max whatever the batch would stall a wave of joining rows: at 16
-rows a block of 176 tokens costs more than the plain steps its tokens replace, and each
-drafter first reads its prompt. A probe on one row of eight new ones (its drafter caught
-up, the others not) cannot pay: the seven wait for its K_max draft steps (AMX, int8 pair,
-8 rows: 0.46 s an iteration for 18 tokens, where plain decoding takes 0.11 s for 8), so all
+weighed as above. A policy that drafted only where its prior (a rate of 1/2) promised a gain
+would never learn a higher rate where a verification block costs several plain steps (a
+float32 verifier on a CPU without AMX): it would decode plainly forever, right or wrong. A
+probe that drafted K_max whatever the batch would stall a wave of joining rows: at 16 rows a
+block of 176 tokens costs more than the plain steps its tokens replace, and each drafter
+first reads its prompt. A probe on one row of eight new ones cannot pay where a draft step
+is dear beside a plain step: the seven wait for its K_max draft steps (AMX, int8 pair, 8
+rows: 0.46 s an iteration for 18 tokens, where plain decoding takes 0.11 s for 8), so all
 eight probe, at K = 3, where their reads are cheap beside the gain (AMX), and one row or
 none where they are dear.
 """
@@ -318,9 +318,10 @@ class SpeculationPolicy:
             rest = [g for i, g in enumerate(generations) if i not in chosen]
             forecast = self._forecast(auto, [certain] * p, lags, rest, pool)
             k = _best_k(forecast)
-            if k > 0 and forecast[k][0] / forecast[k][1] > best_rate:
+            rate = forecast[k][0] / forecast[k][1]
+            if k > 0 and rate > best_rate:
                 probes = [i in chosen for i in range(len(generations))]
-                best, best_rate = k, forecast[k][0] / forecast[k][1]
+                best, best_rate = k, rate
         return probes, best
 
     def forecast(
