@@ -256,8 +256,8 @@ class SpeculationPolicy:
                 pooled_kept[j] += kept[j]
                 pooled_reached[j] += reached[j]
         chances, prior = [], _FIRST_PRIOR
-        for accepted, reached in zip(pooled_kept, pooled_reached, strict=True):
-            prior = (accepted + _PRIOR_POSITIONS * prior) / (reached + _PRIOR_POSITIONS)
+        for accepted, judged in zip(pooled_kept, pooled_reached, strict=True):
+            prior = (accepted + _PRIOR_POSITIONS * prior) / (judged + _PRIOR_POSITIONS)
             chances.append(prior)
         return chances
 
