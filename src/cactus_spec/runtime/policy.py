@@ -23,7 +23,7 @@ every later iteration's counts (the row's, the pool's r_j) leave the opening out
 
 and costs
 
-    T(K) = K * t_draft(R) + t_block(n) + [K > 0] B c L / N(K)   seconds,
+    T(K) = K * t_draft(R) + t_block(n) + [K > 0] c rho E_auto(K)   seconds,
     n = n_fixed + sum_b (w_b K + 1),   t_block(n) = t_verify(n) + t_host(n),
 
 where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj is
@@ -31,26 +31,38 @@ its rate at depth j, read off the same history), R = sum_b w_b the rows of one d
 t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens in
 all, t_host(n) the rest of an iteration that verifies n tokens (processing each token's row
 of q, judging, the meter: it grows with n as the forward does, and is no share of either
-model's time), and c L the model drafters' catch-up: L tokens the lagging rows' drafters
-skipped beyond the steady lag (a new prompt, or what was emitted while K was 0; a drafter
-reads them only when its row drafts again) at c seconds each, while every row waits. N(K)
-is the iterations those rows have left (each its remaining tokens at its E_b(K) an
-iteration, summed): a lagging row's read buys drafting for that row alone, 1/B of the
-batch's gain, so the read is weighed against a B-th of the gain over the row's remaining
-life. At a steady load this is the batch's whole cost: each of the B rows joins, and its
-read stalls all of them, once in a row's life. Costs are read off ``CostTable``s that every
-iteration updates (an exponential moving average per size, held relative to the machine's
-pace, below), seeded by a short calibration that times t_draft through the drafter, as the
-stepper runs it. A calibration's timing is a guess at a size, and a noisy one (a few
-forwards in one moment of a shared machine, at a short context): a size's first reading in
-an iteration replaces it, and plain decoding's size (the batch at K = 0) is read in an
-iteration before any forecast may choose drafting over it. The policy drafts the K in
-0..K_max that maximises E(K) / T(K), and drafts at all only when that is at least
+model's time), and c rho E_auto(K) the model drafters' reads that drafting commits to, per
+token the rows that leave K open emit: c seconds a token read while every row waits, rho
+tokens read a token emitted. A drafter reads what its row emitted without it (a new prompt,
+or what was emitted while K was 0) only when its row drafts again, and every request that
+joins a drafting batch has its drafter read its prompt, so
+
+    rho = (H_L + L) / (H_A + A),
+
+L the tokens the rows' drafters lag beyond the steady lag now and A the tokens those rows
+have left, H_L and H_A the prompt tokens the drafters of recent finished generations read
+(or would have) and the tokens those emitted (sums decaying by 1 / ``_READ_WINDOW`` a
+generation): the reads of the rows decoding, over what is left of them, and of the requests
+to come, at the traffic's ratio of prompt to answer. Charged in every iteration that drafts,
+not only when some row lags: at a steady load of B rows with prompts of L_p tokens and
+answers of A_p, drafting costs c L_p / A_p a token, in the iterations between joins as in
+those at a join. Weighed only where a row lags, drafting pays between joins and not at one,
+and at 16 rows (a join every other iteration on AMX) the batch stops at each join, its
+drafters falling behind by a token a row an iteration; drafting at 16 rows paid 1.10x plain
+decoding with every drafter caught up, and served 0.92-0.97x AR.
+
+Costs are read off ``CostTable``s that every iteration updates (an exponential moving average
+per size, held relative to the machine's pace, below), seeded by a short calibration that times
+t_draft through the drafter, as the stepper runs it. A calibration's timing is a guess at a
+size, and a noisy one (a few forwards in one moment of a shared machine, at a short context): a
+size's first reading in an iteration replaces it, and plain decoding's size (the batch at K =
+0) is read in an iteration before any forecast may choose drafting over it. The policy drafts
+the K in 0..K_max that maximises E(K) / T(K), and drafts at all only when that is at least
 ``_MARGIN`` above K = 0, plain decoding (E = B, T = t_block(B)): so it never picks a K it
-predicts to be slower than plain decoding, nor one within its own error of it. At
-high concurrency, where a verifier forward over B (K + 1) tokens costs much more than over
-B, it drafts less or not at all. The scheduler asks for the batch that is forming (rows
-still reading their prompts included), not only for the rows already decoding.
+predicts to be slower than plain decoding, nor one within its own error of it. At high
+concurrency, where a verifier forward over B (K + 1) tokens costs much more than over B, it
+drafts less or not at all. The scheduler asks for the batch that is forming (rows still reading
+their prompts included), not only for the rows already decoding.
 
 A single stream (``engine.generate`` with K left open) also stops drafting inside an
 iteration (``keep_drafting``): after j drafts with acceptance chances a_1..a_j, read off the
@@ -120,6 +132,9 @@ _EMA = 0.2
 _PACE = 0.8
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
+#: Finished generations whose prompts and answers weigh most in the drafters' reads per
+#: token: each sum decays by 1 - 1 / _READ_WINDOW a generation, to follow the traffic.
+_READ_WINDOW = 32
 #: Most tokens a drafter of a row that leaves K open reads inside a draft step, which every
 #: row waits for; a row lagging more (a new prompt, what was emitted while K was 0) drafts
 #: nothing until it caught up between iterations (``runtime.scheduler``).
@@ -231,6 +246,8 @@ class SpeculationPolicy:
         self.open_accepted = [0.0] * max_draft_tokens  # the same of their first iterations
         self.open_reached = [0.0] * max_draft_tokens
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
+        self.prompts_read = 0.0  # H_L: recent generations' prompt tokens a drafter reads,
+        self.answered = 0.0  # H_A: and the tokens they emitted (each sum decayed, _READ_WINDOW)
         self._catch_up_token = 0.0  # a model drafter reading one token it skipped, at pace 1
         bins = len(_CONFIDENCE_EDGES) + 1
         self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
@@ -350,20 +367,25 @@ class SpeculationPolicy:
         drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
         rows = sum(widths) + sum(drafting)  # rows of one draft step
 
-        owed = [(i, g.remaining) for i, g in enumerate(auto) if lags[i] > _STEADY_LAG]
-        batch = len(auto) + len(fixed)
-        catch_up = batch * self.catch_up_token_s * sum(lags[i] for i, _ in owed)  # B c L
+        read = self.catch_up_token_s * self.reads_per_token(auto, lags)  # c rho
 
         def forecast(k: int) -> tuple[float, float]:
             per_row = [expected_tokens(c, k) for c in chances]
             cost = self.block(fixed_tokens + sum(w * k + 1 for w in widths))
             if k > 0 and per_row:
-                cost += k * self.draft.estimate(rows)
-            if k > 0 and owed:  # over N(K), the iterations the lagging rows have left
-                cost += catch_up / sum(max(1.0, left / per_row[i]) for i, left in owed)
+                cost += k * self.draft.estimate(rows) + read * sum(per_row)
             return fixed_emitted + sum(per_row), cost
 
         return [forecast(k) for k in range(self.max_draft_tokens + 1)]
+
+    def reads_per_token(self, auto: Sequence[Generation], lags: Sequence[int]) -> float:
+        """rho: the tokens drafters read beyond their steady lag per token the rows that leave
+        K open emit, while they draft: (H_L + L) / (H_A + A), H_L and H_A the recent finished
+        generations' prompt reads and answers (``learn_acceptance``), L the ``lags`` of the
+        ``auto`` rows beyond the steady lag, A the tokens those rows have left."""
+        owed = sum(n for n in lags if n > _STEADY_LAG)
+        left = sum(g.remaining for g in auto)
+        return (self.prompts_read + owed) / max(1.0, self.answered + left)
 
     def probing(self) -> bool:
         """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
@@ -447,7 +469,14 @@ class SpeculationPolicy:
 
     def learn_acceptance(self, g: Generation) -> None:
         """Fold a finished generation's drafts kept and reached, by position, into the pool's:
-        its first iteration's into the openings', the others' into the rest."""
+        its first iteration's into the openings', the others' into the rest; and, where it
+        left K open, the prompt its drafter read (or would have, had it drafted) and its
+        answer's length into H_L and H_A."""
+        if g.spec.auto_k:
+            keep = 1.0 - 1.0 / _READ_WINDOW
+            read = g.prompt_len - g.stats.draft_cached_prompt_tokens
+            self.prompts_read = keep * self.prompts_read + read
+            self.answered = keep * self.answered + len(g.new_ids)
         kept, reached = _after_opening(g)
         opened, opened_kept = g.stats.opening
         for j in range(min(len(reached), self.max_draft_tokens)):
