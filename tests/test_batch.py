@@ -469,6 +469,23 @@ def test_drafting_is_charged_the_prompt_reads_of_the_requests_to_come() -> None:
         assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
 
 
+def test_a_max_tokens_far_above_the_answers_does_not_hide_the_reads() -> None:
+    """Rows whose clients allow 4,096 tokens, where the traffic's answers run 96 to prompts of
+    150: each row is counted at 96 tokens left, not 4,096, which would dilute the reads to
+    come (rho 0.17 instead of 1.3), so the policy decodes plainly. The control: where the
+    answers run the 4,096 tokens allowed, the reads are cheap per token, and it drafts."""
+    for answer_tokens, drafts in ((96, False), (4096, True)):
+        policy, _ = eleven_percent_ahead()
+        d = decoder(4)
+        rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None), 4096) for _ in range(4)]
+        for _ in range(32):
+            policy.learn_acceptance(answered(d, 150, answer_tokens))
+        assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(
+            (20.4 * 150) / (20.4 * answer_tokens + 4 * answer_tokens), rel=0.01
+        )
+        assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
+
+
 def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:
     """Two rows keep 92% of first drafts: one every later draft too (HumanEval's pattern),
     the other 92% at every position. Per-position chances predict 10.0 tokens from ten drafts

@@ -109,6 +109,7 @@ none where they are dear.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -247,7 +248,8 @@ class SpeculationPolicy:
         self.open_reached = [0.0] * max_draft_tokens
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
         self.prompts_read = 0.0  # H_L: recent generations' prompt tokens a drafter reads,
-        self.answered = 0.0  # H_A: and the tokens they emitted (each sum decayed, _READ_WINDOW)
+        self.answered = 0.0  # H_A: the tokens they emitted,
+        self.finished = 0.0  # and how many they were (each sum decayed, _READ_WINDOW)
         self._catch_up_token = 0.0  # a model drafter reading one token it skipped, at pace 1
         bins = len(_CONFIDENCE_EDGES) + 1
         self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
@@ -382,9 +384,11 @@ class SpeculationPolicy:
         """rho: the tokens drafters read beyond their steady lag per token the rows that leave
         K open emit, while they draft: (H_L + L) / (H_A + A), H_L and H_A the recent finished
         generations' prompt reads and answers (``learn_acceptance``), L the ``lags`` of the
-        ``auto`` rows beyond the steady lag, A the tokens those rows have left."""
+        ``auto`` rows beyond the steady lag, A the tokens those rows have left, each at most
+        the recent answers' mean (a client's ``max_tokens`` is often far above its answers)."""
         owed = sum(n for n in lags if n > _STEADY_LAG)
-        left = sum(g.remaining for g in auto)
+        answer = self.answered / self.finished if self.finished else math.inf
+        left = sum(min(g.remaining, answer) for g in auto)
         return (self.prompts_read + owed) / max(1.0, self.answered + left)
 
     def probing(self) -> bool:
@@ -477,6 +481,7 @@ class SpeculationPolicy:
             read = g.prompt_len - g.stats.draft_cached_prompt_tokens
             self.prompts_read = keep * self.prompts_read + read
             self.answered = keep * self.answered + len(g.new_ids)
+            self.finished = keep * self.finished + 1
         kept, reached = _after_opening(g)
         opened, opened_kept = g.stats.opening
         for j in range(min(len(reached), self.max_draft_tokens)):
