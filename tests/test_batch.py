@@ -444,12 +444,18 @@ def test_a_joining_rows_read_is_weighed_against_the_batchs_gain_over_what_is_lef
     assert policy.choose(rows, [2, 2, 2, 600]) == [0] * 4
 
 
-def answered(d: SpeculativeDecoder, prompt_tokens: int, answer_tokens: int) -> Generation:
-    """A generation that left K open and answered ``answer_tokens`` to a prompt of
-    ``prompt_tokens``, as a finished one is handed to the policy."""
-    g = generation(d, [1] * prompt_tokens, spec_of(Cactus(1.0), None), answer_tokens)
-    g.context.extend([2] * answer_tokens)
-    return g
+#: The weight 32 finished answers keep in the policy's decaying sums: sum_i (1 - 1/32)^i.
+ANSWERS_WEIGHT = sum((1 - 1 / 32) ** i for i in range(32))
+
+
+def learn_answers(policy: SpeculationPolicy, prompt_tokens: int, answer_tokens: int) -> None:
+    """Hand the policy 32 finished generations that left K open, each ``answer_tokens`` long
+    after a prompt of ``prompt_tokens``."""
+    d = decoder(1)
+    for _ in range(32):
+        g = generation(d, [1] * prompt_tokens, spec_of(Cactus(1.0), None), answer_tokens)
+        g.context.extend([2] * answer_tokens)
+        policy.learn_acceptance(g)
 
 
 def test_drafting_is_charged_the_prompt_reads_of_the_requests_to_come() -> None:
@@ -460,11 +466,9 @@ def test_drafting_is_charged_the_prompt_reads_of_the_requests_to_come() -> None:
     row lags now. The control: answers to prompts of 10 tokens, which leave it drafting."""
     for prompt_tokens, drafts in ((150, False), (10, True)):
         policy, rows = eleven_percent_ahead()
-        d = decoder(1)
-        for _ in range(32):
-            policy.learn_acceptance(answered(d, prompt_tokens, 96))
+        learn_answers(policy, prompt_tokens, 96)
         assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(
-            (20.4 * prompt_tokens) / (20.4 * 96 + 384), rel=0.01
+            ANSWERS_WEIGHT * prompt_tokens / (ANSWERS_WEIGHT * 96 + 384)
         )
         assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
 
@@ -478,10 +482,9 @@ def test_a_max_tokens_far_above_the_answers_does_not_hide_the_reads() -> None:
         policy, _ = eleven_percent_ahead()
         d = decoder(4)
         rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None), 4096) for _ in range(4)]
-        for _ in range(32):
-            policy.learn_acceptance(answered(d, 150, answer_tokens))
+        learn_answers(policy, 150, answer_tokens)
         assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(
-            (20.4 * 150) / (20.4 * answer_tokens + 4 * answer_tokens), rel=0.01
+            ANSWERS_WEIGHT * 150 / ((ANSWERS_WEIGHT + 4) * answer_tokens)
         )
         assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
 
