@@ -183,10 +183,10 @@ struct Query {
   const bool* shown;
 };
 
-// Queries scored at once against a block of kLanes keys (their sums side by side, so no sum
-// waits on the one before it), and keys whose values every query adds up before the next
-// such block (they stay in the L1 cache meanwhile).
-constexpr int64_t kQueriesAtOnce = 4;
+// Queries scored at once against a block of kLanes keys (their sums side by side: eight
+// chains of additions, so none waits on the one before it), and keys whose values every
+// query adds up before the next such block (they stay in the L1 cache meanwhile).
+constexpr int64_t kQueriesAtOnce = 8;
 constexpr int64_t kValueBlock = 64;
 
 // transposed [d, kLanes] = the n (<= kLanes) rows [n, d] of keys, zeros past them. AVX512: a
@@ -231,34 +231,80 @@ void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) 
   }
 }
 
-// scores[at * seen + j] = <q_at, keys[j]> scale for the keys j0 .. j0 + n - 1 (n <= kLanes)
-// and every query: each (query, key) sums over c in order in a lane of its own, whatever else
-// the block or the group holds.
+// scores[at * stride + j0 + l] = <q_at, keys[j0 + l]> scale for l < kLanes (keys past the
+// n <= kLanes given score 0) and every query: each (query, key) sums over c in order in a
+// lane of its own, each term fused (fma_lanes), whatever else the block or the group holds.
 void score_block(const std::vector<Query>& queries, const float* keys, int64_t j0, int64_t n,
-                 int64_t seen, int64_t d, float scale, float* transposed, float* scores) {
+                 int64_t stride, int64_t d, float scale, float* transposed, float* scores) {
   transpose_keys(keys + j0 * d, n, d, transposed);
   const int64_t count = static_cast<int64_t>(queries.size());
   for (int64_t at = 0; at < count; at += kQueriesAtOnce) {
     const float* q[kQueriesAtOnce];  // past the last query: the last again, its sums unused
     for (int64_t r = 0; r < kQueriesAtOnce; ++r) q[r] = queries[std::min(at + r, count - 1)].q;
-    Lanes s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    Lanes sums[kQueriesAtOnce] = {};
     for (int64_t c = 0; c < d; ++c) {
       const Lanes column = load_lanes(transposed + c * kLanes);
-      s0 += q[0][c] * column;
-      s1 += q[1][c] * column;
-      s2 += q[2][c] * column;
-      s3 += q[3][c] * column;
+      for (int64_t r = 0; r < kQueriesAtOnce; ++r) sums[r] = fma_lanes(column, splat_lanes(q[r][c]), sums[r]);
     }
-    const Lanes sums[kQueriesAtOnce] = {s0, s1, s2, s3};
     for (int64_t r = 0; r < std::min(kQueriesAtOnce, count - at); ++r) {
-      for (int64_t l = 0; l < n; ++l) scores[(at + r) * seen + j0 + l] = sums[r][l] * scale;
+      store_lanes(scores + (at + r) * stride + j0, sums[r] * scale);
+    }
+  }
+}
+
+// row [stride] (a multiple of kLanes) = the softmax of its first `count` scores, 0 past them:
+// the max, e^(s - max) (exp_lanes) and their sum kLanes slots at a time, lane l summing the
+// slots j = l mod kLanes in order, then the lanes in order. A slot past `count` weighs e^-inf
+// = 0 and adds nothing to any lane, so the weights have the same bits whatever the stride.
+void softmax_first(float* row, int64_t count, int64_t stride) {
+  std::fill(row + count, row + stride, -INFINITY);
+  if (count == 0) {  // a padded token of a tree's feed sees no slot: it weighs none
+    std::fill(row, row + stride, 0.0f);
+    return;
+  }
+  Lanes most = load_lanes(row);
+  for (int64_t j = kLanes; j < stride; j += kLanes) {
+    const Lanes block = load_lanes(row + j);
+    most = block > most ? block : most;
+  }
+  float top = most[0];
+  for (int64_t l = 1; l < kLanes; ++l) top = std::max(top, most[l]);
+  Lanes sums = {};
+  for (int64_t j = 0; j < stride; j += kLanes) {
+    const Lanes weight = exp_lanes(load_lanes(row + j) - top);
+    store_lanes(row + j, weight);
+    sums += weight;
+  }
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += sums[l];
+  for (int64_t j = 0; j < stride; j += kLanes) store_lanes(row + j, load_lanes(row + j) / total);
+}
+
+// row [stride] = a query's softmax weights over the slots it sees, 0 elsewhere: those slots'
+// scores in order (a masked query's gathered into `seen` first), as softmax_first weighs them.
+// So a token's weights have the same bits wherever its seen slots lie: a draft tree's node
+// weighs the keys of its path as a chain along that path does.
+template <bool kMasked>
+void softmax_weights(const Query& query, float* row, int64_t stride, std::vector<float>& seen) {
+  if constexpr (!kMasked) {
+    softmax_first(row, query.visible, stride);
+  } else {
+    seen.clear();
+    for (int64_t j = 0; j < query.visible; ++j) {
+      if (query.shown[j]) seen.push_back(row[j]);
+    }
+    const int64_t count = static_cast<int64_t>(seen.size());
+    seen.resize((count + kLanes - 1) / kLanes * kLanes);
+    softmax_first(seen.data(), count, static_cast<int64_t>(seen.size()));
+    for (int64_t j = 0, at = 0; j < stride; ++j) {
+      row[j] = j < query.visible && query.shown[j] ? seen[at++] : 0.0f;
     }
   }
 }
 
 // out [d] += sum_j weight[j] values[j] over the slots j0 .. j1 - 1 the query sees, each
-// output in the order of j: 4 * kLanes outputs at a time (four sums side by side), then one
-// by one.
+// output in the order of j, each term fused (fma_lanes): 4 * kLanes outputs at a time (four
+// sums side by side), then one by one.
 template <class Sees>
 void add_values(const Query& query, const float* weight, const float* values, int64_t j0,
                 int64_t j1, int64_t d, const Sees& sees) {
@@ -270,11 +316,11 @@ void add_values(const Query& query, const float* weight, const float* values, in
     for (int64_t j = j0; j < j1; ++j) {
       if (!sees(query, j)) continue;
       const float* value = values + j * d + c0;
-      const float w = weight[j];
-      s0 += w * load_lanes(value);
-      s1 += w * load_lanes(value + kLanes);
-      s2 += w * load_lanes(value + 2 * kLanes);
-      s3 += w * load_lanes(value + 3 * kLanes);
+      const Lanes w = splat_lanes(weight[j]);
+      s0 = fma_lanes(load_lanes(value), w, s0);
+      s1 = fma_lanes(load_lanes(value + kLanes), w, s1);
+      s2 = fma_lanes(load_lanes(value + 2 * kLanes), w, s2);
+      s3 = fma_lanes(load_lanes(value + 3 * kLanes), w, s3);
     }
     store_lanes(out, s0);
     store_lanes(out + kLanes, s1);
@@ -283,43 +329,44 @@ void add_values(const Query& query, const float* weight, const float* values, in
   }
   for (int64_t j = j0; j < j1; ++j) {
     if (!sees(query, j)) continue;
-    for (int64_t c = c0; c < d; ++c) query.out[c] += weight[j] * values[j * d + c];
+    for (int64_t c = c0; c < d; ++c) query.out[c] = std::fma(values[j * d + c], weight[j], query.out[c]);
   }
 }
 
 // out [d] = sum_j softmax_j(<q, keys[j]> scale) values[j] over the slots each query sees, for
 // the queries of one row's key/value head (its group's heads times the feed's tokens) at
 // once: each key and value is read from memory once for all of them, and each query's sums
-// run in an order of its own (its scores over c, its output over its slots in order), so a
-// token's output has the same bits whatever else its feed holds: a chain's verification
-// reproduces a decode step's q.
+// run in an order of its own (its scores over c, its weights as softmax_weights sums them, its
+// output over its slots in order), so a token's output has the same bits whatever else its
+// feed holds: a chain's verification reproduces a decode step's q.
 template <bool kMasked>
 void attend_group(const std::vector<Query>& queries, const float* keys, const float* values,
                   int64_t seen, int64_t d, float scale, std::vector<float>& scores,
                   std::vector<float>& transposed) {
   const int64_t n = static_cast<int64_t>(queries.size());
-  auto sees = [&](const Query& query, int64_t j) {
-    if constexpr (kMasked) return j < query.visible && query.shown[j];
-    return j < query.visible;
-  };
-  scores.resize(n * seen);  // [n, S]
+  const int64_t stride = (seen + kLanes - 1) / kLanes * kLanes;
+  scores.resize(n * stride);  // [n, S rounded up to kLanes]
   transposed.resize(d * kLanes);
   for (int64_t j0 = 0; j0 < seen; j0 += kLanes) {
     const int64_t block = std::min(kLanes, seen - j0);
-    score_block(queries, keys, j0, block, seen, d, scale, transposed.data(), scores.data());
+    score_block(queries, keys, j0, block, stride, d, scale, transposed.data(), scores.data());
   }
+  std::vector<float> seen_scores;
   for (int64_t at = 0; at < n; ++at) {  // each query's scores become its softmax's weights
-    float* row = scores.data() + at * seen;
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) top = std::max(top, row[j]);
-    for (int64_t j = 0; j < seen; ++j) if (sees(queries[at], j)) total += row[j] = std::exp(row[j] - top);
-    for (int64_t j = 0; j < seen; ++j) row[j] = sees(queries[at], j) ? row[j] / total : 0.0f;
+    softmax_weights<kMasked>(queries[at], scores.data() + at * stride, stride, seen_scores);
     std::fill_n(queries[at].out, d, 0.0f);
   }
+  auto shown = [](const Query& query, int64_t j) { return query.shown[j]; };
+  auto every = [](const Query&, int64_t) { return true; };
   for (int64_t j0 = 0; j0 < seen; j0 += kValueBlock) {
-    const int64_t j1 = std::min(seen, j0 + kValueBlock);
     for (int64_t at = 0; at < n; ++at) {
-      add_values(queries[at], scores.data() + at * seen, values, j0, j1, d, sees);
+      const Query& query = queries[at];
+      const int64_t j1 = std::min(query.visible, j0 + kValueBlock);
+      if constexpr (kMasked) {
+        add_values(query, scores.data() + at * stride, values, j0, j1, d, shown);
+      } else {
+        add_values(query, scores.data() + at * stride, values, j0, j1, d, every);
+      }
     }
   }
 }

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 constexpr int64_t kLanes = 16;  // a 512-bit register of 32-bit values: outputs per packed group
 typedef float Lanes __attribute__((vector_size(4 * kLanes)));
 typedef int32_t IntLanes __attribute__((vector_size(4 * kLanes)));
@@ -22,6 +26,46 @@ inline Lanes load_lanes(const float* at) {
   return v;
 }
 inline void store_lanes(float* at, Lanes v) { std::memcpy(at, &v, sizeof v); }
+
+// x in every lane (a broadcast; Lanes{} + x would add 0 to x first).
+inline Lanes splat_lanes(float x) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  const __m256 half = _mm256_set1_ps(x);
+  Lanes v;
+  std::memcpy(&v, &half, sizeof half);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof half, &half, sizeof half);
+  return v;
+#else
+  Lanes v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = x;
+  return v;
+#endif
+}
+
+// a * b + c in each lane, rounded once (a fused multiply-add where the CPU has one, as AVX2,
+// AVX512 and ARMv8 do; -ffp-contract=off leaves every other product and sum as written).
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float Half __attribute__((vector_size(4 * kLanes / 2)));
+  Half halves[3][2];
+  std::memcpy(halves[0], &a, sizeof a);
+  std::memcpy(halves[1], &b, sizeof b);
+  std::memcpy(halves[2], &c, sizeof c);
+  for (int h = 0; h < 2; ++h) {
+    halves[2][h] = (Half)_mm256_fmadd_ps((__m256)halves[0][h], (__m256)halves[1][h],
+                                          (__m256)halves[2][h]);
+  }
+  std::memcpy(&c, halves[2], sizeof c);
+  return c;
+#else
+  for (int64_t l = 0; l < kLanes; ++l) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return c;
+#endif
+}
 
 // e^x in each lane, within 1 ulp of the correctly rounded value wherever it is a normal float
 // (Cephes' expf: x = n ln2 + r with n = round(x / ln2), so |r| <= ln2 / 2; e^r by a degree-7
