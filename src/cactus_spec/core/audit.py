@@ -88,16 +88,14 @@ MAX_AUDIT_SUPPORT = 4096
 
 def support(*dists: Tensor | None, ids: Sequence[int] = ()) -> Tensor:
     """The tokens [S], sorted, where any row of any of ``dists`` [..., V] (None: none) is
-    positive, and ``ids``. Rows are added (probabilities: a sum is positive where a term is),
-    one pass each over V, cheaper than comparing them."""
+    positive, and ``ids``: each distribution's rows compared with 0 in its own dtype (so its
+    smallest positives count) and reduced over its rows in one pass over V."""
     given = [d for d in dists if d is not None]
-    wide = any(d.dtype == torch.float64 for d in given)  # its smallest positives stay positive
-    mass = given[0].new_zeros(given[0].shape[-1], dtype=torch.float64 if wide else torch.float32)
+    shown = given[0].new_zeros(given[0].shape[-1], dtype=torch.bool)  # [V]
     for d in given:
-        for row in d.reshape(-1, d.shape[-1]):
-            mass += row  # [V]
-    mass[list(ids)] = 1.0
-    return mass.nonzero().squeeze(-1)
+        shown |= (d.reshape(-1, d.shape[-1]) > 0).any(0)
+    shown[list(ids)] = True
+    return shown.nonzero().squeeze(-1)
 
 
 def restrict_to_support(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:

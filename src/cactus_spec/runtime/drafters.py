@@ -210,7 +210,7 @@ class ModelDrafter:
             step = self._next_probs(asked, [tokens[i] for i in active], last)
             for i, probs in zip(active, step, strict=True):
                 r = requests[i]
-                token = draw(probs, r.sampling.greedy, r.generator)
+                token = self._draw(probs, r)
                 rows[i].append(probs)
                 tokens[i].append(token)
                 confidences[i].append(float(probs[0, token]))
@@ -279,6 +279,16 @@ class ModelDrafter:
             for a, j in enumerate(members):
                 out[j] = placed[a : a + 1]
         return out  # type: ignore[return-value]  # every row is in one of the two
+
+    def _draw(self, probs: Tensor, request: DraftRequest) -> int:
+        """One token from p [1, V], drawn over the head's ids where the head is truncated:
+        p is 0 off the head and the head's ids ascend, so an inverse-CDF draw (or an argmax)
+        over the head's columns adds the same masses in the same order and picks the same
+        token, at N / V of the cost."""
+        greedy, generator = request.sampling.greedy, request.generator
+        if self.head is None:
+            return draw(probs, greedy, generator)
+        return int(self.head[draw(probs[:, self.head], greedy, generator)])
 
     def _on_head(self, sampling: SamplingConfig) -> bool:
         """Whether ``sampling`` gives the head's logits the distribution it gives the whole
