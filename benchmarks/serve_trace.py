@@ -7,14 +7,15 @@ Drives the scheduler in process, as ``cactus-spec serve --verifier-quant int8 --
 int8 --draft-vocab 32768 --no-prefix-cache --max-batch C`` does but with no HTTP: C clients,
 each sending ``--per-client`` HumanEval chats one after another (96 new tokens, the paper's
 sampling). The policy is timed, then warmed on one run of SpS at half the clients (past its
-probe); then each round runs every method once (the order rotating, so the machine's drift
-falls on each alike), each run on a fresh scheduler over the same engine and policy. Every
-turn is timed: the prompts' reads by the verifier, the drafters' catch-up between
-iterations, and the iteration's drafting, verification and host work, beside the policy's
-forecast of the iteration's seconds at the K it ran (K t_draft(R) + t_block(n), the costs
-``SpeculationPolicy`` weighs), its reads per token (rho) and its catch-up cost per token (c).
-Prints a line per run (tokens/s, where the seconds went, mean K and rows) and the forecast's
-median error by K; appends every turn to ``--out`` (JSONL).
+probe; ``--no-warm``: cold, as a fresh server); then each round runs every method once (the
+order rotating, so the machine's drift falls on each alike), each run on a fresh scheduler
+over the same engine and policy. Every turn is timed: the prompts' reads by the verifier,
+the drafters' catch-up between iterations, and the iteration's drafting, verification and
+host work, beside the policy's forecast of the iteration's seconds at the K it ran
+(K t_draft(R) + t_block(n), the costs ``SpeculationPolicy`` weighs), its reads per token
+(rho) and its catch-up cost per token (c). Prints a line per run (tokens/s, where the seconds
+went, mean K and rows) and the forecast's median error by K; appends every turn to ``--out``
+(JSONL).
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def main() -> None:
     parser.add_argument("--methods", default="ar,sps,cactus", help=f"of {', '.join(SPECS)}")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench-out/serve-trace.jsonl"))
+    parser.add_argument(
+        "--warm", action=argparse.BooleanOptionalAction, default=True, help="SpS first, untimed"
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(SPECS))
@@ -138,7 +142,8 @@ def main() -> None:
     policy = engine.calibrated_policy()
     prompts = [item.prompt for item in humaneval_items(args.clients * args.per_client)]
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    _run(engine, policy, ids[: args.clients], "sps", max(1, args.clients // 2))  # past the probe
+    if args.warm:  # past the probe
+        _run(engine, policy, ids[: args.clients], "sps", max(1, args.clients // 2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print("round method: tokens/s; seconds: wall, prompt reads, catch-up, draft, verify, host; "
           "mean K, mean rows; forecast error by K (median)", flush=True)  # fmt: skip
