@@ -244,7 +244,9 @@ void score_block(const std::vector<Query>& queries, const float* keys, int64_t j
     Lanes sums[kQueriesAtOnce] = {};
     for (int64_t c = 0; c < d; ++c) {
       const Lanes column = load_lanes(transposed + c * kLanes);
-      for (int64_t r = 0; r < kQueriesAtOnce; ++r) sums[r] = fma_lanes(column, splat_lanes(q[r][c]), sums[r]);
+      for (int64_t r = 0; r < kQueriesAtOnce; ++r) {
+        sums[r] = fma_lanes(column, splat_lanes(q[r][c]), sums[r]);
+      }
     }
     for (int64_t r = 0; r < std::min(kQueriesAtOnce, count - at); ++r) {
       store_lanes(scores + (at + r) * stride + j0, sums[r] * scale);
@@ -329,7 +331,9 @@ void add_values(const Query& query, const float* weight, const float* values, in
   }
   for (int64_t j = j0; j < j1; ++j) {
     if (!sees(query, j)) continue;
-    for (int64_t c = c0; c < d; ++c) query.out[c] = std::fma(values[j * d + c], weight[j], query.out[c]);
+    for (int64_t c = c0; c < d; ++c) {
+      query.out[c] = std::fma(values[j * d + c], weight[j], query.out[c]);
+    }
   }
 }
 
@@ -356,17 +360,14 @@ void attend_group(const std::vector<Query>& queries, const float* keys, const fl
     softmax_weights<kMasked>(queries[at], scores.data() + at * stride, stride, seen_scores);
     std::fill_n(queries[at].out, d, 0.0f);
   }
-  auto shown = [](const Query& query, int64_t j) { return query.shown[j]; };
-  auto every = [](const Query&, int64_t) { return true; };
+  auto sees = [](const Query& query, int64_t j) {  // j < visible: add_values stops there
+    if constexpr (kMasked) return query.shown[j];
+    return true;
+  };
   for (int64_t j0 = 0; j0 < seen; j0 += kValueBlock) {
     for (int64_t at = 0; at < n; ++at) {
-      const Query& query = queries[at];
-      const int64_t j1 = std::min(query.visible, j0 + kValueBlock);
-      if constexpr (kMasked) {
-        add_values(query, scores.data() + at * stride, values, j0, j1, d, shown);
-      } else {
-        add_values(query, scores.data() + at * stride, values, j0, j1, d, every);
-      }
+      const int64_t j1 = std::min(queries[at].visible, j0 + kValueBlock);
+      add_values(queries[at], scores.data() + at * stride, values, j0, j1, d, sees);
     }
   }
 }
