@@ -28,6 +28,7 @@ from cactus_spec.runtime.stepper import StepTiming
 SAMPLING = SamplingConfig(0.8, 0, 1.0)
 SHORT = [5, 17, 3, 99]
 LONG = [(7 * i + 3) % 120 + 1 for i in range(70)]
+OTHER_LONG = [(5 * i + 2) % 120 + 1 for i in range(60)]
 
 
 class Recorded(SpeculativeDecoder):
@@ -58,9 +59,9 @@ class Recorded(SpeculativeDecoder):
         return read
 
 
-def engine(cls=SpeculativeDecoder) -> SpeculativeDecoder:
+def engine(cls=SpeculativeDecoder, max_batch: int = 2) -> SpeculativeDecoder:
     target = make_tiny_lm(seed=0)
-    return cls(target, noisy_copy(target, 0.4, seed=1), spec_of(SpS(), 3), max_batch=2)
+    return cls(target, noisy_copy(target, 0.4, seed=1), spec_of(SpS(), 3), max_batch=max_batch)
 
 
 SHORT_BUDGET, LONG_BUDGET = 40, 8
@@ -71,11 +72,13 @@ def serve_two(
     policy: SpeculationPolicy | None = None,
     long_arrives_while_short_is_read: bool = False,
     pinned: bool = False,
+    longs: tuple[list[int], ...] = (LONG,),
 ) -> tuple[Recorded, dict[str, list[int]]]:
-    """SHORT decoding (EOS ignored, so it runs its budget), then LONG arriving once SHORT has
-    stepped (or while SHORT's prompt is read); their new tokens. With ``policy``, both leave
-    K to it, unless ``pinned`` (K = 3, the policy still asked)."""
-    d = engine(Recorded)
+    """SHORT decoding (EOS ignored, so it runs its budget), then ``longs`` (LONG) arriving
+    together once SHORT has stepped (or while SHORT's prompt is read); their new tokens, by
+    name ("short", then "long", "long 1", ...). With ``policy``, all leave K to it, unless
+    ``pinned`` (K = 3, the policy still asked)."""
+    d = engine(Recorded, max_batch=1 + len(longs))
     spec = d.spec if policy is None or pinned else spec_of(SpS(), None)
     out: dict[str, list[int]] = {}
     done = threading.Event()
@@ -83,7 +86,7 @@ def serve_two(
     def finish(name: str):
         def record(result) -> None:
             out[name] = result.token_ids
-            if len(out) == 2:
+            if len(out) == 1 + len(longs):
                 done.set()
 
         return record
@@ -95,15 +98,20 @@ def serve_two(
         prompt_ids=SHORT, max_new_tokens=SHORT_BUDGET, on_done=finish("short"), ignore_eos=True,
         **common,
     )  # fmt: skip
-    long = Request(prompt_ids=LONG, max_new_tokens=LONG_BUDGET, on_done=finish("long"), **common)
+    names = ["long", *(f"long {i}" for i in range(1, len(longs)))]
+    arriving = [
+        Request(prompt_ids=prompt, max_new_tokens=LONG_BUDGET, on_done=finish(name), **common)
+        for name, prompt in zip(names, longs, strict=True)
+    ]
     if long_arrives_while_short_is_read:
-        d.while_reading.append(lambda: scheduler.submit(long))
+        d.while_reading.extend(lambda r=r: scheduler.submit(r) for r in arriving)
     scheduler.submit(short)
     if not long_arrives_while_short_is_read:
         deadline = time.monotonic() + 30
         while not any(kind == "step" for kind, _ in d.log) and time.monotonic() < deadline:
             time.sleep(0.001)
-        scheduler.submit(long)
+        for request in arriving:
+            scheduler.submit(request)
     assert done.wait(60)
     scheduler.stop()
     return d, out
@@ -141,6 +149,17 @@ def test_a_long_prompt_is_read_in_chunks_while_the_other_row_decodes() -> None:
     assert len(between) >= 3 and all(rows == [0] for rows in between)
     assert out["short"] == alone(SHORT, SHORT_BUDGET, ignore_eos=True)
     assert out["long"] == alone(LONG, LONG_BUDGET)
+
+
+def test_each_prompt_waiting_is_read_a_chunk_a_turn() -> None:
+    """Two prompts arriving together while SHORT decodes at K = 3: a turn reads a chunk of
+    16 for each (32), so the batch forms in the turns one of them takes; the control above
+    reads one prompt 16 at a time. Every row decodes what it decodes alone."""
+    d, out = serve_two(prefill_chunk=4, longs=(LONG, OTHER_LONG))
+    reads = [n for kind, n in d.log if kind == "prefill"]
+    assert sum(reads[1:]) == len(LONG) + len(OTHER_LONG) - 2 and max(reads[1:]) == 32
+    assert out["long"] == alone(LONG, LONG_BUDGET)
+    assert out["long 1"] == alone(OTHER_LONG, LONG_BUDGET)
 
 
 def test_negative_control_without_a_chunk_the_prompt_is_read_at_once() -> None:

@@ -11,6 +11,7 @@ from cactus_spec.core.sampling import (
     logits_to_probs,
     one_hot,
     sample_inverse_cdf,
+    top_k,
     uniforms,
 )
 
@@ -48,6 +49,45 @@ def test_processing_matches_masking_reference(config: SamplingConfig) -> None:
         assert int((probs > 0).sum(-1).max()) <= config.top_k
 
 
+def stable_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: a stable descending sort of whole rows, its first k."""
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], ids[..., :k]
+
+
+@pytest.mark.parametrize("shape", [(40, 151936), (3, 5, 8000), (7, 32768), (4, 300)], ids=str)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_top_k_is_the_stable_sorts_first_k(shape: tuple[int, ...], ties: bool) -> None:
+    """Every path of ``top_k`` (chunks of a vocabulary that is a multiple of the chunk, one
+    padded, one too small to chunk) keeps the values and ids a stable sort ranks first, ties
+    (integer logits, -inf included) broken by the lower id."""
+    logits = 3 * torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
+    if ties:
+        logits = (2 * logits).round()
+    logits[..., ::7] = -float("inf")
+    values, ids = top_k(logits, 20)
+    reference = stable_top_k(logits, 20)
+    assert torch.equal(values, reference[0]) and torch.equal(ids, reference[1])
+    assert torch.equal(values, logits.gather(-1, ids))
+
+
+def test_top_k_breaks_ties_where_torch_topk_may_not() -> None:
+    """Negative control: on integer logits torch.topk keeps other ids among ties at the
+    k-th value than the lowest, so the equality above can fail."""
+    logits = (4 * torch.randn(8, 8192, generator=torch.Generator().manual_seed(3))).round()
+    kept = logits.topk(20, -1).indices.sort(dim=-1).values
+    assert not torch.equal(kept, stable_top_k(logits, 20)[1].sort(dim=-1).values)
+    assert torch.equal(top_k(logits, 20)[1], stable_top_k(logits, 20)[1])
+
+
+def test_a_row_of_fewer_finite_logits_than_k_keeps_them_first() -> None:
+    logits = torch.full((2, 4096), -float("inf"))
+    logits[0, 5], logits[1, 4000] = 1.0, 2.0
+    values, ids = top_k(logits, 20)
+    assert ids[:, 0].tolist() == [5, 4000] and ids[0, 1:4].tolist() == [0, 1, 2]
+    assert torch.equal(ids, stable_top_k(logits, 20)[1])
+
+
 def test_greedy_is_one_hot_argmax() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     probs = logits_to_probs(logits, SamplingConfig(0.0, 20, 0.95))
@@ -75,8 +115,8 @@ def test_inverse_cdf_at_the_very_top_takes_the_last_positive_token() -> None:
 def test_a_vanishing_top_p_keeps_the_top_token(top_p: float) -> None:
     """Found by schemathesis: top_p = 1e-300 kept nothing (NaN rows, then an index error)."""
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 5
-    for top_k in (0, 20):
-        probs = logits_to_probs(logits, SamplingConfig(0.6, top_k, top_p))
+    for k in (0, 20):
+        probs = logits_to_probs(logits, SamplingConfig(0.6, k, top_p))
         assert torch.equal(probs, one_hot(logits.argmax(-1), 500))
 
 

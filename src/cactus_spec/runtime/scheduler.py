@@ -8,13 +8,13 @@ they sleep between regions instead of spinning, and every kernel pays a wake-up
 
 Each turn of its loop it admits waiting requests into free rows (each into the free row that
 holds the longest prefix of its prompt: prefix caching), drops cancelled ones, reads up to
-``prefill_chunk`` prompt tokens per token each row verified in the last iteration, of the
-rows still reading their prompts (the shortest first, in one batched forward where padding
+``prefill_chunk`` prompt tokens per token each row verified in the last iteration for each
+row still reading its prompt (the shortest first, in one batched forward where padding
 allows; a few chunks when no row is decoding: chunked prefill), admits what arrived
 meanwhile, asks the policy for K, lets the drafters of rows about to draft read a budget of
 what they lag (a new prompt: those rows draft once caught up, ``_catch_up``), runs one
 stepper iteration over every row that has read its prompt, and hands finished generations
-back. So a long prompt arriving costs each running row at most one chunk's forward per
+back. So a long prompt arriving costs each running row at most one chunk's read per
 iteration, not the whole prompt's (nor a drafter's read of it), and a request arriving
 while nothing decodes waits for a few chunks of it; and requests sent together are one
 batch to the policy: the first one, read alone while the others arrive, would otherwise
@@ -255,23 +255,26 @@ class Scheduler(Generic[Engine]):
     def _read_prompts(self, reading: list[Generation], running: bool) -> None:
         """Read a budget of the prompts still being read, counting the tokens and the time."""
         start = time.perf_counter()
-        read = self.engine.prefill(reading, self._prefill_budget(running))
+        read = self.engine.prefill(reading, self._prefill_budget(running, len(reading)))
         self.counters.read_prompt_tokens += read
         self.counters.time_prompt_s += time.perf_counter() - start
 
-    def _prefill_budget(self, running: bool) -> int | None:
-        """Prompt tokens to read this turn. With rows decoding: ``prefill_chunk`` per token
-        each row verified in the last iteration (K + 1 when drafting), so drafting, which
-        makes iterations longer, does not slow the reading of waiting prompts. With none:
-        ``_IDLE_CHUNKS`` chunks, so a request that arrives meanwhile waits for that much of
-        a long prompt's read, not for all of it."""
+    def _prefill_budget(self, running: bool, rows: int) -> int | None:
+        """Prompt tokens to read this turn for ``rows`` rows reading. With rows decoding:
+        ``prefill_chunk`` a reading row per token each decoding row verified in the last
+        iteration (K + 1 when drafting), so every row moves on each turn (a decoding row by
+        its tokens, a reading row by a chunk: requests sent together form their batch in
+        the turns one of them would take, not in as many turns again as there are of them),
+        and drafting, which makes iterations longer, does not slow the reading of waiting
+        prompts. With none: ``_IDLE_CHUNKS`` chunks, so a request that arrives meanwhile
+        waits for that much of a long prompt's read, not for all of it."""
         if self.prefill_chunk is None:
             return None
         if not running:
             return self.prefill_chunk * _IDLE_CHUNKS
         last = self._last_step
         per_row = last.verified_tokens / last.rows if last is not None and last.rows else 1.0
-        return round(self.prefill_chunk * max(1.0, per_row))
+        return round(self.prefill_chunk * max(1.0, per_row)) * rows
 
     def _count_prompt(self, g: Generation) -> None:
         """Count a started generation's prompt and what its row had cached of it."""
@@ -307,10 +310,11 @@ class Scheduler(Generic[Engine]):
         budget of the lag now, between iterations, and drafts this iteration only if that
         caught it up. Read inside a draft step, the lag would hold up every row (a row that
         fixed its K reads it there, so that its draws stay those it makes alone). The budget
-        is a decoding turn's while some row of the iteration does not lag, so that it waits
-        for one piece; else an idle turn's (``_prefill_budget``): a lone stream's drafter
-        reads a short prompt at once and drafts at once, instead of decoding plainly while
-        it reads in pieces, with no one else to wait."""
+        is a decoding turn's for the lagging rows while some row of the iteration does not
+        lag, so that it waits for a piece of each; else an idle turn's
+        (``_prefill_budget``): a lone stream's drafter reads a short prompt at once and
+        drafts at once, instead of decoding plainly while it reads in pieces, with no one
+        else to wait."""
         if self.policy is None or not any(ks):
             return ks
         lagging = [
@@ -320,7 +324,7 @@ class Scheduler(Generic[Engine]):
         ]
         if not lagging:
             return ks
-        budget = self._prefill_budget(running=len(lagging) < len(generations))
+        budget = self._prefill_budget(len(lagging) < len(generations), len(lagging))
         start = time.perf_counter()
         read = self.engine.catch_up(lagging, budget)
         self.policy.observe_catch_up(read, time.perf_counter() - start)
