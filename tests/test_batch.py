@@ -513,9 +513,10 @@ def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:
 def test_an_answers_opening_is_learned_apart_from_the_rows_chances() -> None:
     """Ten finished answers whose first iteration lost all its drafts at the first (the draft
     opens its answers otherwise than the verifier), the rest keeping 8 of 10: a fresh row
-    decodes its opening plainly, then drafts, its own opening's rejection not counted
-    against it. The control: the same rejection after the opening is the row's own, and
-    lowers its chances."""
+    counts at the pool's chances while it reads its prompt (it does not iterate in the
+    iteration chosen), decodes its opening plainly, then drafts, its own opening's
+    rejection not counted against it. The control: the same rejection after the opening is
+    the row's own, and lowers its chances."""
     d = decoder(1)
     policy = policy_with(0.010, {1: 0.050, 2: 0.053, 11: 0.080})
     policy.judged = 100  # past its probe
@@ -527,6 +528,9 @@ def test_an_answers_opening_is_learned_apart_from_the_rows_chances() -> None:
         policy.learn_acceptance(done)
     pooled = policy.pool_chances()
     fresh = generation(d, [1, 2, 3], spec_of(SpS(), None))
+    assert fresh.reading  # joins the batch at the pool's chances, not its opening's
+    assert policy.chances(fresh) == pytest.approx(pooled)
+    d.prefill([fresh])
     assert policy.chances(fresh)[0] < 0.3 and policy.choose([fresh], [0]) == [0]
     fresh.stats.record(10, 0, 1)  # its opening rejected at the first draft too
     assert policy.chances(fresh)[0] == pytest.approx(pooled[0])
