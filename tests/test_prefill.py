@@ -162,6 +162,34 @@ def test_each_prompt_waiting_is_read_a_chunk_a_turn() -> None:
     assert out["long 1"] == alone(OTHER_LONG, LONG_BUDGET)
 
 
+def first_idle_read(prompts: list[list[int]]) -> int:
+    """Tokens the first turn reads of ``prompts`` sent together to an idle scheduler (every
+    one admitted before it starts), with a chunk of 4."""
+    d = engine(Recorded, max_batch=len(prompts))
+    done = threading.Event()
+    left = [len(prompts)]
+
+    def finished(_) -> None:
+        left[0] -= 1
+        if not left[0]:
+            done.set()
+
+    scheduler = Scheduler(d, max_queue=4, prefill_chunk=4)
+    for prompt in prompts:
+        scheduler.submit(Request(prompt_ids=prompt, max_new_tokens=2, sampling=SAMPLING,
+                                 seed=1, spec=d.spec, on_done=finished))  # fmt: skip
+    scheduler.start()
+    assert done.wait(60)
+    scheduler.stop()
+    return next(n for kind, n in d.log if kind == "prefill")
+
+
+def test_an_idle_turn_reads_four_chunks_of_each_prompt_waiting() -> None:
+    """Nothing decodes: a turn reads four chunks (16) for each prompt waiting, 32 for two."""
+    assert first_idle_read([LONG]) == 16
+    assert first_idle_read([LONG, OTHER_LONG]) == 32
+
+
 def test_negative_control_without_a_chunk_the_prompt_is_read_at_once() -> None:
     d, out = serve_two(prefill_chunk=None)
     reads = [n for kind, n in d.log if kind == "prefill"]

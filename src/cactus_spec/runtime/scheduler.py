@@ -16,7 +16,7 @@ what they lag (a new prompt: those rows draft once caught up, ``_catch_up``), ru
 stepper iteration over every row that has read its prompt, and hands finished generations
 back. So a long prompt arriving costs each running row at most one chunk's read per
 iteration, not the whole prompt's (nor a drafter's read of it), and a request arriving
-while nothing decodes waits for a few chunks of it; and requests sent together are one
+while nothing decodes waits for a few chunks of each; and requests sent together are one
 batch to the policy: the first one, read alone while the others arrive, would otherwise
 look like a lone stream worth drafting for, and its drafter would read its prompt and draft
 while the others wait. A bounded queue gives backpressure:
@@ -53,8 +53,8 @@ from cactus_spec.runtime.stepper import StepTiming
 #: "Serving under load"; ``benchmarks/forward_cost.py --tokens 1,64,128`` measures it).
 PREFILL_CHUNK = 64
 
-#: Chunks read per turn while no row decodes: each chunk streams the weights once more, and
-#: a request that arrives waits for at most these chunks of another's prompt.
+#: Chunks read per turn and reading row while no row decodes: each chunk streams the weights
+#: once more, and a request that arrives waits for at most these chunks of each other prompt.
 _IDLE_CHUNKS = 4
 
 #: Window of the tokens-per-second gauge.
@@ -266,12 +266,12 @@ class Scheduler(Generic[Engine]):
         its tokens, a reading row by a chunk: requests sent together form their batch in
         the turns one of them would take, not in as many turns again as there are of them),
         and drafting, which makes iterations longer, does not slow the reading of waiting
-        prompts. With none: ``_IDLE_CHUNKS`` chunks, so a request that arrives meanwhile
-        waits for that much of a long prompt's read, not for all of it."""
+        prompts. With none: ``_IDLE_CHUNKS`` chunks a reading row, so a request that arrives
+        meanwhile waits for that much of each long prompt's read, not for all of it."""
         if self.prefill_chunk is None:
             return None
         if not running:
-            return self.prefill_chunk * _IDLE_CHUNKS
+            return self.prefill_chunk * _IDLE_CHUNKS * rows
         last = self._last_step
         per_row = last.verified_tokens / last.rows if last is not None and last.rows else 1.0
         return round(self.prefill_chunk * max(1.0, per_row)) * rows
