@@ -462,31 +462,44 @@ def test_drafting_is_charged_the_prompt_reads_of_the_requests_to_come() -> None:
     """Four rows drafting 11% faster than plain decoding, no drafter lagging. After 32
     answers of 96 tokens to prompts of 150 (a loaded server's traffic), drafting commits
     every request that joins to its drafter reading 150 tokens at 1.5 ms while all wait:
-    2 ms a token emitted, more than drafting gains, so the policy decodes plainly though no
+    2.3 ms a token emitted, more than drafting gains, so the policy decodes plainly though no
     row lags now. The control: answers to prompts of 10 tokens, which leave it drafting."""
     for prompt_tokens, drafts in ((150, False), (10, True)):
         policy, rows = eleven_percent_ahead()
         learn_answers(policy, prompt_tokens, 96)
-        assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(
-            ANSWERS_WEIGHT * prompt_tokens / (ANSWERS_WEIGHT * 96 + 384)
-        )
+        assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(prompt_tokens / 96)
         assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
 
 
 def test_a_max_tokens_far_above_the_answers_does_not_hide_the_reads() -> None:
-    """Rows whose clients allow 4,096 tokens, where the traffic's answers run 96 to prompts of
-    150: each row is counted at 96 tokens left, not 4,096, which would dilute the reads to
-    come (rho 0.17 instead of 1.3), so the policy decodes plainly. The control: where the
-    answers run the 4,096 tokens allowed, the reads are cheap per token, and it drafts."""
+    """Rows whose clients allow 4,096 tokens and whose drafters lag 150 tokens, where the
+    traffic's answers run 96 (to prompts of 10): each row is counted at 96 tokens left, not
+    4,096, which would dilute its read (rho 0.04 instead of 1.5), so the policy decodes
+    plainly. The control: where the answers run the 4,096 tokens allowed, the reads are cheap
+    per token, and it drafts."""
     for answer_tokens, drafts in ((96, False), (4096, True)):
         policy, _ = eleven_percent_ahead()
         d = decoder(4)
         rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None), 4096) for _ in range(4)]
-        learn_answers(policy, 150, answer_tokens)
-        assert policy.reads_per_token(rows, [2] * 4) == pytest.approx(
-            ANSWERS_WEIGHT * 150 / ((ANSWERS_WEIGHT + 4) * answer_tokens)
-        )
-        assert (policy.choose(rows, [2] * 4)[0] > 0) == drafts
+        learn_answers(policy, 10, answer_tokens)
+        assert policy.reads_per_token(rows, [150] * 4) == pytest.approx(150 / answer_tokens)
+        assert (policy.choose(rows, [150] * 4)[0] > 0) == drafts
+
+
+def test_rows_lagging_far_beside_what_they_have_left_decode_plainly() -> None:
+    """Four rows whose drafters lag 30 tokens (their batch decoded plainly), 8 tokens from
+    their end, where the traffic's prompts are cheap (10 tokens to answers of 96): reading
+    120 tokens at 1.5 ms while all wait, for 32 tokens drafted 11% faster, loses, so the
+    policy decodes plainly (the traffic's answers, pooled with theirs, would have put the
+    reads at 0.3 a token, and it drafted). The control: the same lag with 96 tokens left each
+    repays its reads, and the policy drafts."""
+    for left, drafts in ((8, False), (96, True)):
+        policy, rows = eleven_percent_ahead()
+        learn_answers(policy, 10, 96)
+        for g in rows:
+            g.context.extend([2] * (96 - left))
+        assert policy.reads_per_token(rows, [30] * 4) == pytest.approx(30 / left)
+        assert (policy.choose(rows, [30] * 4)[0] > 0) == drafts
 
 
 def test_the_policy_drafts_further_where_acceptance_runs_in_stretches() -> None:

@@ -43,22 +43,28 @@ tokens read a token emitted. A drafter reads what its row emitted without it (a 
 or what was emitted while K was 0) only when its row drafts again, and every request that
 joins a drafting batch has its drafter read its prompt, so
 
-    rho = (H_L + L) / (H_A + A),
+    rho = max(H_L / H_A, L / A),
 
 L the tokens the rows' drafters lag beyond the steady lag now and A the tokens those rows
 have left, H_L and H_A the prompt tokens the drafters of recent finished generations read
 (or would have) and the tokens those emitted (sums decaying by 1 / ``_READ_WINDOW`` a
-generation): the reads of the rows decoding, over what is left of them, and of the requests
-to come, at the traffic's ratio of prompt to answer. Charged in every iteration that drafts,
-not only when some row lags: at a steady load of B rows with prompts of L_p tokens and
-answers of A_p, drafting costs c L_p / A_p a token, in the iterations between joins as in
-those at a join. Weighed only where a row lags, drafting pays between joins and not at one,
-and at 16 rows (a join every other iteration on AMX) the batch stops at each join, its
-drafters falling behind by a token a row an iteration; drafting at 16 rows paid 1.10x plain
-decoding with every drafter caught up, and served 0.92-0.97x AR. Charged in every iteration,
-the reads (prompts of 130 tokens, answers of 90, 1 ms a token read) cost 14% of a plain step's
-time a token there, more than drafting gains: the policy decodes plainly at 16 rows, and
-drafts as rows leave.
+generation). H_L / H_A is what drafting costs in the long run: at a steady load with prompts
+of L_p tokens and answers of A_p, every request that joins a drafting batch has its drafter
+read its prompt while all rows wait, c L_p / A_p a token, charged in every iteration that
+drafts, not only at a join. Weighed only where a row lags, drafting pays between joins and
+not at one, and at 16 rows (a join every other iteration on AMX) the batch stopped at each
+join, its drafters falling behind by a token a row an iteration; drafting at 16 rows paid
+1.10x plain decoding with every drafter caught up, and served 0.92-0.97x AR. Charged in every
+iteration, the reads (prompts of 130 tokens, answers of 90, 1 ms a token read) cost 14% of a
+plain step's time a token there, more than drafting gains: the policy decodes plainly at 16
+rows, and drafts as rows leave. L / A is what drafting now costs the rows decoding: their
+drafters read L tokens once, for the A tokens they have left. Where they lag far beside what
+they have left (a batch that decoded plainly, its drafters a token behind a row an
+iteration, near its end), that exceeds the traffic's ratio, and drafting would stall every
+row for reads its few remaining tokens cannot repay. Pooled into one ratio,
+(H_L + L) / (H_A + A), the traffic's answers diluted such a lag: at the end of each
+16-client run on AMX, nine rows lagging 2,100-2,300 tokens with about 20 left each drafted,
+and every row waited 2.5-3.4 s for their reads (7% of the run).
 
 Costs are read off ``CostTable``s that every iteration updates (an exponential moving average
 per size, held relative to the machine's pace, below), seeded by a short calibration that times
@@ -391,14 +397,15 @@ class SpeculationPolicy:
 
     def reads_per_token(self, auto: Sequence[Generation], lags: Sequence[int]) -> float:
         """rho: the tokens drafters read beyond their steady lag per token the rows that leave
-        K open emit, while they draft: (H_L + L) / (H_A + A), H_L and H_A the recent finished
+        K open emit, while they draft: max(H_L / H_A, L / A), H_L and H_A the recent finished
         generations' prompt reads and answers (``learn_acceptance``), L the ``lags`` of the
         ``auto`` rows beyond the steady lag, A the tokens those rows have left, each at most
         the recent answers' mean (a client's ``max_tokens`` is often far above its answers)."""
         owed = sum(n for n in lags if n > _STEADY_LAG)
         answer = self.answered / self.finished if self.finished else math.inf
         left = sum(min(g.remaining, answer) for g in auto)
-        return (self.prompts_read + owed) / max(1.0, self.answered + left)
+        traffic = self.prompts_read / self.answered if self.answered else 0.0
+        return max(traffic, owed / max(1.0, left))
 
     def probing(self) -> bool:
         """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
