@@ -45,8 +45,8 @@ joins a drafting batch has its drafter read its prompt, so
 
     rho = max(H_L / H_A, L / A),
 
-L the tokens the rows' drafters lag beyond the steady lag now and A the tokens those rows
-have left, H_L and H_A the prompt tokens the drafters of recent finished generations read
+L the whole lag of the rows whose drafters lag beyond the steady lag and A the tokens those
+rows have left, H_L and H_A the prompt tokens the drafters of recent finished generations read
 (or would have) and the tokens those emitted (sums decaying by 1 / ``_READ_WINDOW`` a
 generation). H_L / H_A is what drafting costs in the long run: at a steady load with prompts
 of L_p tokens and answers of A_p, every request that joins a drafting batch has its drafter
@@ -399,8 +399,8 @@ class SpeculationPolicy:
         """rho: the tokens drafters read beyond their steady lag per token the rows that leave
         K open emit, while they draft: max(H_L / H_A, L / A), H_L and H_A the recent finished
         generations' prompt reads and answers (``learn_acceptance``), L the ``lags`` of the
-        ``auto`` rows beyond the steady lag, A the tokens those rows have left, each at most
-        the recent answers' mean (a client's ``max_tokens`` is often far above its answers)."""
+        ``auto`` rows lagging beyond the steady lag, A the tokens those rows have left, each at
+        most the recent answers' mean (a client's ``max_tokens`` is often far above its answers)."""
         owed = sum(n for n in lags if n > _STEADY_LAG)
         answer = self.answered / self.finished if self.finished else math.inf
         left = sum(min(g.remaining, answer) for g in auto)
