@@ -13,12 +13,15 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 from test_lean import make_tiny_qwen2
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import Block, LeanBackend, LeanModel
 from cactus_spec.backends.native_block import NativeBlock
 from cactus_spec.backends.packed import NativeBf16Linear
 from cactus_spec.backends.quant import quantize
+from cactus_spec.loading.backend import make_backend
+from cactus_spec.loading.models import LoadedModel
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native kernels could not be built here"
@@ -168,18 +171,20 @@ def test_a_prompt_read_in_chunks_is_the_prompt_read_whole(kind, monkeypatch) -> 
     assert not all(_gap(a, b) < 2e-2 for a, b in zip(shifted, whole, strict=True))
 
 
-def _keys_after(model, steps: list[list[int]]) -> list[torch.Tensor]:
-    """Every layer's cached keys after a prompt and then ``steps`` fed one call each."""
-    backend = LeanBackend(model)
+def _keys_after(model, steps: list[list[int]], dtype=None) -> list[torch.Tensor]:
+    """Every layer's cached keys (a cache in ``dtype``; None: the model's) after a prompt and
+    then ``steps`` fed one call each."""
+    backend = LeanBackend(model, cache_dtype=dtype)
     backend.append([3, 17, 42, 8, 99])
     for step in steps:
         backend.append(step)
     return [backend.cache.layer(layer)[0].clone() for layer in range(len(model.blocks))]
 
 
-def _one_call_is_steps(model, tokens: list[int]) -> bool:
+def _one_call_is_steps(model, tokens: list[int], dtype=None) -> bool:
     """Whether reading ``tokens`` in one call leaves the bits of reading them one at a time."""
-    together, alone = _keys_after(model, [tokens]), _keys_after(model, [[t] for t in tokens])
+    together = _keys_after(model, [tokens], dtype)
+    alone = _keys_after(model, [[t] for t in tokens], dtype)
     return all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
 
 
@@ -193,3 +198,65 @@ def test_a_chains_verification_has_the_bits_of_its_decode_steps(kind, monkeypatc
     fused = _fused_and_python("qwen2", kind, monkeypatch)[0]
     assert _one_call_is_steps(fused, list(range(20, 31)))
     assert not _one_call_is_steps(fused, list(range(20, 60)))
+
+
+def _head_dim_64(seed: int = 0):
+    """A float32 Llama whose heads are 64 wide (a draft's: attention's 16-lane paths)."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).float().eval()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("make", [make_tiny_lm, _head_dim_64], ids=["head16", "head64"])
+def test_a_bfloat16_cache_holds_and_reads_the_float32_caches_entries_rounded(kind, make) -> None:
+    """A native model's cache in bfloat16 (a draft's): layer 0's keys and values (before any
+    attention) are the float32 cache's rounded, and the logits after a prompt and steps lie
+    within bfloat16's rounding of the float32 cache's (a model with another seed: far)."""
+    model = LeanModel(quantize(make(seed=0), kind))
+    compact = LeanBackend(model, batch=2, cache_dtype=torch.bfloat16)
+    full, other = LeanBackend(model, batch=2), LeanBackend(LeanModel(quantize(make(seed=1), kind)))
+    assert compact.cache.keys.dtype == torch.bfloat16
+    prompt = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    for feed in (prompt[:9], prompt[9:], [5], [6, 7, 8]):
+        got, expected = compact.append(feed, row=1), full.append(feed, row=1)
+        assert _gap(got, expected) < 2e-2
+        assert _gap(other.append(feed), expected) > 0.1
+    for got, expected in zip(compact.cache.layer(0), full.cache.layer(0), strict=True):
+        assert torch.equal(got[1, :, :44], expected[1, :, :44].bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_on_a_bfloat16_cache_a_chains_verification_has_its_decode_steps_bits(kind) -> None:
+    """As on the model's own cache: eleven tokens in one call leave the bits of eleven
+    steps (control: 40 tokens, attention blocked, do not)."""
+    model = LeanModel(quantize(make_tiny_qwen2(), kind))
+    assert _one_call_is_steps(model, list(range(20, 31)), torch.bfloat16)
+    assert not _one_call_is_steps(model, list(range(20, 60)), torch.bfloat16)
+
+
+def test_a_cache_in_another_dtype_needs_native_blocks(monkeypatch) -> None:
+    _, python, _ = _fused_and_python("llama", "int8", monkeypatch)
+    with pytest.raises(ValueError, match="needs native blocks"):
+        LeanBackend(python, cache_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("quant", "draft", "dtype"),
+    [
+        ("int8", True, torch.bfloat16),
+        ("int4", True, torch.bfloat16),
+        ("int8", False, torch.float32),
+        (None, True, torch.float32),
+    ],  # fmt: skip
+)
+def test_a_drafts_native_cache_is_bfloat16_a_verifiers_the_models(quant, draft, dtype) -> None:
+    """``make_backend``: a draft model of native blocks caches in bfloat16; a verifier, and a
+    draft of Python blocks (float32 layers), in the model's dtype."""
+    model = make_tiny_lm() if quant is None else quantize(make_tiny_lm(), quant)
+    backend = make_backend(LoadedModel(model, None, "t", None), "lean", draft=draft)
+    assert backend.cache.keys.dtype == dtype

@@ -357,10 +357,19 @@ class LeanModel(nn.Module):
         self.inv_freq = (1.0 / (theta**exponents)).to(self.embed.weight.device)  # [D/2]
         self.dtype = self.embed.weight.dtype
 
-    def new_cache(self, batch: int, size: int) -> KVCache:
-        """An empty cache for ``batch`` rows of up to ``size`` tokens each."""
+    @property
+    def native(self) -> bool:
+        """Whether every block runs as one native call (``NativeBlock``), which reads a cache
+        of any float dtype (a Python block's attention needs the model's)."""
+        return all(isinstance(block, NativeBlock) for block in self.blocks)
+
+    def new_cache(self, batch: int, size: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for ``batch`` rows of up to ``size`` tokens each, in ``dtype``
+        (None: the model's; another only where the model is ``native``)."""
+        if dtype is not None and dtype != self.dtype and not self.native:
+            raise ValueError(f"a cache in {dtype} needs native blocks; the model's is {self.dtype}")
         shape = (len(self.blocks), batch, self.kv_heads, size, self.head_dim)
-        return KVCache(shape, self.dtype, self.embed.weight.device)
+        return KVCache(shape, dtype or self.dtype, self.embed.weight.device)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, 1, T, D] for positions [B, T] (float32, then the model's dtype)."""
@@ -466,10 +475,16 @@ class LeanBackend:
     #: Token trees are read in one forward (``append_tree``).
     reads_trees = True
 
-    def __init__(self, model: LeanModel, batch: int = 1, context_length: int | None = None):
+    def __init__(
+        self,
+        model: LeanModel,
+        batch: int = 1,
+        context_length: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         size = min(model.max_positions, context_length or DEFAULT_CONTEXT)
-        self.cache = model.new_cache(batch, size)
+        self.cache = model.new_cache(batch, size, cache_dtype)  # cache_dtype None: the model's
         self.trees = [PendingTree()] * batch  # each row's pending tree nodes
 
     @property

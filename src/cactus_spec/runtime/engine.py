@@ -158,7 +158,7 @@ class SpeculativeDecoder:
             self._drafts_text = tokenizers_differ(self.verifier, draft)
             if not self._drafts_text:
                 self.vocab_size = check_same_vocabulary(self.verifier, draft)
-            backend = make_backend(draft, options.backend, self.max_batch)
+            backend = make_backend(draft, options.backend, self.max_batch, draft=True)
             parts = DrafterParts(self.verifier, self.vocab_size, draft, backend, self._drafts_text)
         return build_drafter(self.spec.drafter, parts)
 

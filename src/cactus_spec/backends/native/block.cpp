@@ -26,7 +26,6 @@
 #include <cmath>
 #include <memory>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -162,16 +161,26 @@ void rotate_and_store(const Tokens& tk, float* q, float* k, const float* v, cons
   }
 }
 
-// The first n entries [n, d] of a cache row as float32: the row itself, or a copy.
+// Cache entries as float32, one (cached) or kLanes at a time (load_cached): a float32 entry as
+// it is, a bfloat16 one widened (exact: its bits are a float32's upper half). Attention reads
+// a bfloat16 cache in place, half the bytes of a float32 one, each entry widened as it is read.
 template <typename T>
-const float* as_floats(const T* row, int64_t n, int64_t d, std::vector<float>& copy) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    copy.resize(n * d);
-    for (int64_t c = 0; c < n * d; ++c) copy[c] = static_cast<float>(row[c]);
-    return copy.data();
-  }
+float cached(T entry) {
+  return static_cast<float>(entry);
+}
+template <typename T>
+Lanes load_cached(const T* at) {
+  Lanes v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(at[l]);
+  return v;
+}
+template <>
+Lanes load_cached(const float* at) {
+  return load_lanes(at);
+}
+template <>
+Lanes load_cached(const c10::BFloat16* at) {
+  return load_bf16_lanes(reinterpret_cast<const uint16_t*>(at));
 }
 
 // One query of a row's key/value head: its projection, where its output goes, the slots it
@@ -191,13 +200,14 @@ constexpr int64_t kValueBlock = 64;
 
 // transposed [d, kLanes] = the n (<= kLanes) rows [n, d] of keys, zeros past them. AVX512: a
 // 16 x 16 tile at a time in registers (two rounds of unpacks, two of 128-bit shuffles).
-void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) {
+template <typename T>
+void transpose_keys(const T* keys, int64_t n, int64_t d, float* transposed) {
 #ifdef CACTUS_AVX512
   if (d % kLanes == 0) {
     for (int64_t c0 = 0; c0 < d; c0 += kLanes) {
       __m512 r[16], t[16], u[16];
       for (int i = 0; i < 16; ++i) {
-        r[i] = i < n ? _mm512_loadu_ps(keys + i * d + c0) : _mm512_setzero_ps();
+        r[i] = i < n ? (__m512)load_cached(keys + i * d + c0) : _mm512_setzero_ps();
       }
       for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: rows 2i, 2i+1 interleaved per 128 bits
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -227,14 +237,17 @@ void transpose_keys(const float* keys, int64_t n, int64_t d, float* transposed) 
   }
 #endif
   for (int64_t l = 0; l < kLanes; ++l) {
-    for (int64_t c = 0; c < d; ++c) transposed[c * kLanes + l] = l < n ? keys[l * d + c] : 0.0f;
+    for (int64_t c = 0; c < d; ++c) {
+      transposed[c * kLanes + l] = l < n ? cached(keys[l * d + c]) : 0.0f;
+    }
   }
 }
 
 // scores[at * stride + j0 + l] = <q_at, keys[j0 + l]> scale for l < kLanes (keys past the
 // n <= kLanes given score 0) and every query: each (query, key) sums over c in order in a
 // lane of its own, each term fused (fma_lanes), whatever else the block or the group holds.
-void score_block(const std::vector<Query>& queries, const float* keys, int64_t j0, int64_t n,
+template <typename T>
+void score_block(const std::vector<Query>& queries, const T* keys, int64_t j0, int64_t n,
                  int64_t stride, int64_t d, float scale, float* transposed, float* scores) {
   transpose_keys(keys + j0 * d, n, d, transposed);
   const int64_t count = static_cast<int64_t>(queries.size());
@@ -307,8 +320,8 @@ void softmax_weights(const Query& query, float* row, int64_t stride, std::vector
 // out [d] += sum_j weight[j] values[j] over the slots j0 .. j1 - 1 the query sees, each
 // output in the order of j, each term fused (fma_lanes): 4 * kLanes outputs at a time (four
 // sums side by side), then one by one.
-template <class Sees>
-void add_values(const Query& query, const float* weight, const float* values, int64_t j0,
+template <typename T, class Sees>
+void add_values(const Query& query, const float* weight, const T* values, int64_t j0,
                 int64_t j1, int64_t d, const Sees& sees) {
   int64_t c0 = 0;
   for (; c0 + 4 * kLanes <= d; c0 += 4 * kLanes) {
@@ -317,12 +330,12 @@ void add_values(const Query& query, const float* weight, const float* values, in
           s3 = load_lanes(out + 3 * kLanes);
     for (int64_t j = j0; j < j1; ++j) {
       if (!sees(query, j)) continue;
-      const float* value = values + j * d + c0;
+      const T* value = values + j * d + c0;
       const Lanes w = splat_lanes(weight[j]);
-      s0 = fma_lanes(load_lanes(value), w, s0);
-      s1 = fma_lanes(load_lanes(value + kLanes), w, s1);
-      s2 = fma_lanes(load_lanes(value + 2 * kLanes), w, s2);
-      s3 = fma_lanes(load_lanes(value + 3 * kLanes), w, s3);
+      s0 = fma_lanes(load_cached(value), w, s0);
+      s1 = fma_lanes(load_cached(value + kLanes), w, s1);
+      s2 = fma_lanes(load_cached(value + 2 * kLanes), w, s2);
+      s3 = fma_lanes(load_cached(value + 3 * kLanes), w, s3);
     }
     store_lanes(out, s0);
     store_lanes(out + kLanes, s1);
@@ -332,7 +345,7 @@ void add_values(const Query& query, const float* weight, const float* values, in
   for (int64_t j = j0; j < j1; ++j) {
     if (!sees(query, j)) continue;
     for (int64_t c = c0; c < d; ++c) {
-      query.out[c] = std::fma(values[j * d + c], weight[j], query.out[c]);
+      query.out[c] = std::fma(cached(values[j * d + c]), weight[j], query.out[c]);
     }
   }
 }
@@ -343,8 +356,8 @@ void add_values(const Query& query, const float* weight, const float* values, in
 // run in an order of its own (its scores over c, its weights as softmax_weights sums them, its
 // output over its slots in order), so a token's output has the same bits whatever else its
 // feed holds: a chain's verification reproduces a decode step's q.
-template <bool kMasked>
-void attend_group(const std::vector<Query>& queries, const float* keys, const float* values,
+template <bool kMasked, typename T>
+void attend_group(const std::vector<Query>& queries, const T* keys, const T* values,
                   int64_t seen, int64_t d, float scale, std::vector<float>& scores,
                   std::vector<float>& transposed) {
   const int64_t n = static_cast<int64_t>(queries.size());
@@ -379,7 +392,7 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
   const int64_t d = tk.d, group = tk.heads / tk.kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, tk.b * tk.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, transposed, key_copy, value_copy;
+    std::vector<float> scores, transposed;
     std::vector<Query> queries;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / tk.kv_heads, g = job % tk.kv_heads;
@@ -392,8 +405,7 @@ void attend(const Tokens& tk, const float* q, const T* key_cache, const T* value
                              kMasked ? tk.mask + r * tk.span : nullptr});
         }
       }
-      attend_group<kMasked>(queries, as_floats(key_cache + first, seen, d, key_copy),
-                            as_floats(value_cache + first, seen, d, value_copy), seen, d, scale,
+      attend_group<kMasked>(queries, key_cache + first, value_cache + first, seen, d, scale,
                             scores, transposed);
     }
   });

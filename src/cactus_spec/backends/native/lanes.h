@@ -27,6 +27,20 @@ inline Lanes load_lanes(const float* at) {
 }
 inline void store_lanes(float* at, Lanes v) { std::memcpy(at, &v, sizeof v); }
 
+// 16 bfloat16s (their bits) widened to floats, exactly: each one's bits become the upper half
+// of its float's.
+inline Lanes load_bf16_lanes(const uint16_t* at) {
+#if defined(__AVX512F__)
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  return (Lanes)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+#else
+  typedef uint16_t HalfLanes __attribute__((vector_size(2 * kLanes)));
+  HalfLanes halves;
+  std::memcpy(&halves, at, sizeof halves);
+  return (Lanes)(__builtin_convertvector(halves, IntLanes) << 16);
+#endif
+}
+
 // x in every lane (a broadcast; Lanes{} + x would add 0 to x first).
 inline Lanes splat_lanes(float x) {
 #if defined(__AVX512F__)
