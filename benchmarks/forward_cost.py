@@ -1,10 +1,13 @@
 """What one lean forward costs: a model at each quantisation and int8 kernel, T new tokens
-after a context of cached tokens (200, or --context; 0 times a prefill), median and spread
-over repetitions, configurations alternating; the logits of every new token, or of the last
---keep (1: what a prompt read asks).
+for each of --rows rows after a context of cached tokens each (200, or --context; 0 times a
+prefill), with the cache in each of --caches (the model's dtype, or bfloat16 as a draft's),
+median and spread over repetitions, configurations alternating; the logits of every new
+token, or of the last --keep (1: what a prompt read asks).
 
     python benchmarks/forward_cost.py --model qwen-coder-0.5b --tokens 1,11 \\
         --configs int8:native,int8:vnni,int8:fbgemm,int4,none:native,none:onednn,int8:native@32768
+    python benchmarks/forward_cost.py --configs int8:native@32768 --tokens 1 --rows 8 \\
+        --context 1000 --caches model,bfloat16                   # a draft step at 8 rows
 
 A configuration is a quantisation (none, int8, int4) and the kernel: ``native``
 (cactus_spec.backends.native: int8 on AMX tiles where the CPU has them, bfloat16 on AMX
@@ -27,10 +30,11 @@ import torch
 
 from cactus_spec import isa
 from cactus_spec.backends import native
-from cactus_spec.backends.lean import LeanModel
+from cactus_spec.backends.lean import KVCache, LeanModel
 from cactus_spec.loading.models import load_model
 
 CONTEXT = 200
+CACHES = {"model": None, "bfloat16": torch.bfloat16}  # None: the model's dtype
 
 
 def environment(config: str) -> dict[str, str]:
@@ -71,13 +75,23 @@ def load(model: str, config: str) -> LeanModel:
         )
 
 
-def forward_ms(lean: LeanModel, config: str, tokens: int, context: int, keep: int = 0) -> float:
-    cache = lean.new_cache(1, context + tokens)
+def filled(lean: LeanModel, config: str, rows: int, size: int, context: int, dtype) -> KVCache:
+    """A cache in ``dtype`` (None: the model's) for ``rows`` rows of ``size`` tokens, each
+    holding ``context`` tokens read."""
+    cache = lean.new_cache(rows, size, dtype)
     with switched(config):
         if context:
-            lean(torch.randint(0, 1000, (1, context)), cache, keep=1)
+            lean(torch.randint(0, 1000, (rows, context)), cache, keep=1)
+    return cache
+
+
+def forward_ms(lean: LeanModel, config: str, tokens: int, cache: KVCache, context: int,
+               keep: int = 0) -> float:  # fmt: skip
+    """One forward of ``tokens`` new tokens a row after ``context`` cached ones, in ms."""
+    cache.lengths[:] = context
+    with switched(config):
         start = time.perf_counter()
-        lean(torch.randint(0, 1000, (1, tokens)), cache, keep=keep)
+        lean(torch.randint(0, 1000, (cache.lengths.shape[0], tokens)), cache, keep=keep)
         return (time.perf_counter() - start) * 1e3
 
 
@@ -88,24 +102,35 @@ def main() -> None:
     parser.add_argument("--configs", default="int8:native,int8:fbgemm")
     parser.add_argument("--context", type=int, default=CONTEXT, help="cached tokens (0: prefill)")
     parser.add_argument("--keep", type=int, default=0, help="logits of the last N (0: all)")
+    parser.add_argument("--rows", type=int, default=1, help="rows fed together")
+    parser.add_argument("--caches", default="model", help="cache dtypes: model, bfloat16")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    unknown = set(args.caches.split(",")) - set(CACHES)
+    if unknown:
+        parser.error(f"--caches: unknown {', '.join(sorted(unknown))}; choose from model, bfloat16")
     configs = args.configs.split(",")
     models = {c: load(args.model, c) for c in configs}
     sizes = [int(t) for t in args.tokens.split(",")]
-    times: dict[tuple[str, int], list[float]] = {(c, t): [] for c in configs for t in sizes}
+    runs = [(c, d) for c in configs for d in args.caches.split(",")]
+    size = args.context + max(sizes)
+    caches = {
+        (c, d): filled(models[c], c, args.rows, size, args.context, CACHES[d]) for c, d in runs
+    }
+    times: dict[tuple[str, str, int], list[float]] = {(*run, t): [] for run in runs for t in sizes}
     for rep in range(args.reps + 1):
-        for c in configs:
+        for c, d in runs:
             for t in sizes:
-                ms = forward_ms(models[c], c, t, args.context, args.keep)
+                ms = forward_ms(models[c], c, t, caches[c, d], args.context, args.keep)
                 if rep:  # the first round warms up
-                    times[c, t].append(ms)
-    print(f"{args.model}, {args.threads} threads, median [min, max] ms over {args.reps}")
-    for (c, t), values in times.items():
+                    times[c, d, t].append(ms)
+    print(f"{args.model}, {args.threads} threads, {args.rows} rows after {args.context} tokens, "
+          f"median [min, max] ms over {args.reps}")  # fmt: skip
+    for (c, d, t), values in times.items():
         print(
-            f"  {c:14s} T={t:3d}: {statistics.median(values):7.1f} "
+            f"  {c:14s} {d:8s} cache T={t:3d}: {statistics.median(values):7.1f} "
             f"[{min(values):.1f}, {max(values):.1f}]"
         )
 

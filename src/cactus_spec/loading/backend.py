@@ -34,11 +34,9 @@ def make_backend(
     ``auto`` runs on ggml too). The cache holds ``slots`` rows of the model's full
     context, at most ``lean.DEFAULT_CONTEXT`` tokens each; the transformers backend holds
     one row. A ``draft`` model's lean cache holds bfloat16 keys and values where its blocks
-    are native (``LeanModel.native``): half the bytes a float32 model's attention reads each
-    draft step (AMX, 0.5B int8 draft, 8 rows: a step costs 9-13 us more a token of context
-    where a float32 cache's costs 19-21), for a draft law within bfloat16's rounding of the
-    float32 cache's; every rule keeps its law whatever the draft's (the verifier's cache keeps
-    the model's dtype)."""
+    are native (``LeanModel.native``): half the memory and half the bytes its attention reads
+    (docs/DESIGN.md), for a draft law within bfloat16's rounding of the float32 cache's;
+    every rule keeps its law whatever the draft's (a verifier's cache keeps its model's dtype)."""
     if kind not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
     if isinstance(loaded.model, GgufModel):
