@@ -103,14 +103,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=CONTEXT, help="cached tokens (0: prefill)")
     parser.add_argument("--keep", type=int, default=0, help="logits of the last N (0: all)")
     parser.add_argument("--rows", type=int, default=1, help="rows fed together")
-    parser.add_argument("--caches", default="model", help="cache dtypes: model, bfloat16")
+    parser.add_argument("--caches", default="model", help=f"cache dtypes: {', '.join(CACHES)}")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     unknown = set(args.caches.split(",")) - set(CACHES)
     if unknown:
-        parser.error(f"--caches: unknown {', '.join(sorted(unknown))}; choose from model, bfloat16")
+        parser.error(
+            f"--caches: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CACHES)}"
+        )
     configs = args.configs.split(",")
     models = {c: load(args.model, c) for c in configs}
     sizes = [int(t) for t in args.tokens.split(",")]

@@ -45,15 +45,18 @@ def spec_of(
 LM_HEAD_STD = 0.5  # large enough that next-token distributions are peaky, not near-uniform
 
 
-def make_tiny_lm(vocab_size: int = 128, seed: int = 0, num_layers: int = 2) -> LlamaForCausalLM:
-    """A float32 Llama with hidden size 64 and random weights fixed by `seed`, in eval mode."""
+def make_tiny_lm(
+    vocab_size: int = 128, seed: int = 0, num_layers: int = 2, heads: int = 4, head_dim: int = 16
+) -> LlamaForCausalLM:
+    """A float32 Llama of ``heads`` heads of ``head_dim`` (hidden size 64 by default), half as
+    many key/value heads, and random weights fixed by `seed`, in eval mode."""
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=heads * head_dim,
         intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )

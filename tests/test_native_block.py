@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import make_tiny_lm
 from test_lean import make_tiny_qwen2
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from cactus_spec.backends import native
 from cactus_spec.backends.lean import Block, LeanBackend, LeanModel
@@ -201,14 +200,8 @@ def test_a_chains_verification_has_the_bits_of_its_decode_steps(kind, monkeypatc
 
 
 def _head_dim_64(seed: int = 0):
-    """A float32 Llama whose heads are 64 wide (a draft's: attention's 16-lane paths)."""
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).float().eval()
+    """A tiny Llama whose heads are 64 wide (a draft's: attention's 16-lane paths)."""
+    return make_tiny_lm(seed=seed, heads=2, head_dim=64)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

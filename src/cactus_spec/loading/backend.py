@@ -62,5 +62,6 @@ def make_backend(
     if reason is not None:
         raise ValueError(f"backend lean does not support {reason}; use backend hf or auto")
     model = LeanModel(loaded.model)
-    compact = draft and model.native and model.dtype == torch.float32
-    return LeanBackend(model, batch=slots, cache_dtype=torch.bfloat16 if compact else None)
+    return LeanBackend(
+        model, batch=slots, cache_dtype=torch.bfloat16 if draft and model.native else None
+    )
