@@ -99,10 +99,16 @@ blocks timed in the other: a gain reads as a loss, and a policy that drafts noth
 measures no drafting to correct it. So the costs are read against a ``Pace`` p: every
 verifier forward of a size read before moves log p by ``_PACE`` times the log of its
 surprise (measured over estimated seconds), every measurement is stored divided by p and
-read multiplied by it, and what p leaves of a surprise is what its size's entry learns (a
-size's first reading is its entry's, and moves no pace: what it says of the size is surer
-than what it says of the machine). All costs scale with p together, so the K chosen depends
-on their ratios alone, which p's noise leaves unchanged.
+read multiplied by it, and what p leaves of a surprise is what its size's entry learns, at
+a slower rate (a size's first reading is its entry's, and moves no pace: what it says of the
+size is surer than what it says of the machine). All costs scale with p together, so the K
+chosen depends on their ratios alone. p follows a lasting change within a few iterations but
+not one iteration's noise: a plain step of the EPYC varies by up to 25% from one iteration to
+the next, so a pace that takes most of each surprise (80%, measured) stands up to 30% off the
+machine's at times; a size first read at such a moment keeps that error in its entry, and
+while plain decoding reads only its own size, p takes the entry's error in turn and carries
+it into every other cost (at 8 rows there, a plain step's entry 27% dear forecast drafting 5%
+faster than plain decoding where it measured 10% slower).
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, some rows that leave K open draft, to the end, the K that would pay best were every
@@ -142,10 +148,13 @@ POLICIES = ("auto", "fixed")
 #: Weight of a new measurement in a cost table's moving average.
 _EMA = 0.2
 #: Share of a verifier forward's surprise (log of measured over estimated seconds) taken as
-#: a change of the machine's pace: 0.8 puts 95% of a lasting change of speed in the pace
-#: (_PACE / (_PACE + (1 - _PACE) _EMA)) and lets an entry learn its own size's cost at
-#: (1 - _PACE) _EMA = 4% of a surprise a reading.
-_PACE = 0.8
+#: a change of the machine's pace: a one-iteration outlier of 30% moves it by 5%.
+_PACE = 0.2
+#: Weight of a new measurement in a verifier forward's entry, of what the pace leaves of its
+#: surprise: an entry learns (1 - _PACE) _SIZE_RATE = 2% of a surprise a reading, so 91% of
+#: a lasting change of speed goes to the pace (_PACE / (_PACE + 2%)), whose common scale is
+#: what keeps the costs of sizes read at different moments comparable.
+_SIZE_RATE = 0.025
 #: Tokens a drafting row's drafter is normally behind (the correction, or draft + bonus).
 _STEADY_LAG = 2
 #: Finished generations whose prompts and answers weigh most in the drafters' reads per
@@ -188,8 +197,9 @@ class CostTable:
     An entry is a calibration's guess (``seed``) until the size's first reading in an
     iteration (``observe``) replaces it."""
 
-    def __init__(self, pace: Pace | None = None) -> None:
+    def __init__(self, pace: Pace | None = None, rate: float = _EMA) -> None:
         self.pace = Pace() if pace is None else pace
+        self.rate = rate  # the moving average's weight of a new measurement
         self.sizes: list[int] = []
         self.seconds: list[float] = []  # at a pace of 1
         self.read: set[int] = set()  # the sizes measured in an iteration
@@ -205,7 +215,7 @@ class CostTable:
         seconds /= self.pace.factor
         if size in self.read:
             at = self.sizes.index(size)
-            self.seconds[at] += _EMA * (seconds - self.seconds[at])
+            self.seconds[at] += self.rate * (seconds - self.seconds[at])
         else:
             self.read.add(size)
             self._set(size, seconds)
@@ -255,7 +265,7 @@ class SpeculationPolicy:
         self.max_draft_tokens = max_draft_tokens
         self.pace = Pace()
         self.draft = CostTable(self.pace)  # one draft step, by rows
-        self.verify = CostTable(self.pace)  # one verifier forward, by tokens
+        self.verify = CostTable(self.pace, _SIZE_RATE)  # one verifier forward, by tokens
         self.host = CostTable(self.pace)  # the rest of an iteration, by tokens verified
         self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
         self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
