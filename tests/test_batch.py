@@ -661,6 +661,19 @@ def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
     assert fresh.choose(rows[:1], [0]) != [0]
 
 
+def test_a_probe_leaves_a_row_near_its_end_alone() -> None:
+    """Held to AVX2, a probing policy's lone row whose drafter lags 240 tokens: with 3 tokens
+    of its budget left it decodes plainly (its read, left out of the probe's forecast, would
+    stall the batch for at most 2 drafts judged); the control: with 50 left it probes."""
+    d = decoder(1)
+    fresh = fresh_policy(AVX2_VERIFY, AVX2_DRAFT, catch_up_token_s=0.005)
+    for left, probes in ((3, False), (50, True)):
+        g = generation(d, list(range(1, 159)), spec_of(SpS(), None), max_new_tokens=96)
+        g.context.extend([7] * (96 - left))  # what it emitted
+        assert fresh.probing()
+        assert (fresh.choose([g], [240]) != [0]) == probes
+
+
 #: A calibration with AMX's cheap blocks: seconds by tokens or rows.
 AMX_VERIFY = {1: 0.050, 4: 0.052, 8: 0.055, 16: 0.060, 32: 0.090, 64: 0.150, 128: 0.300}
 AMX_DRAFT = {1: 0.005, 4: 0.008, 16: 0.020}

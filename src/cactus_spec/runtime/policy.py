@@ -112,18 +112,18 @@ faster than plain decoding where it measured 10% slower).
 
 Acceptance is measured before it is trusted: until the verifier has judged ``_PROBE_DRAFTS``
 drafts, some rows that leave K open draft, to the end, the K that would pay best were every
-draft kept (K_max before any cost was measured). Which rows: for P = 1, 2, ... of them,
-least lagging first, the P whose best K pays best, the first row's read left out of the
-forecast (a lone row's read would otherwise keep it from ever drafting) and the others'
-weighed as above. A policy that drafted only where its prior (a rate of 1/2) promised a gain
-would never learn a higher rate where a verification block costs several plain steps (a
-float32 verifier on a CPU without AMX): it would decode plainly forever, right or wrong. A
-probe that drafted K_max whatever the batch would stall a wave of joining rows: at 16 rows a
-block of 176 tokens costs more than the plain steps its tokens replace, and each drafter
-first reads its prompt. A probe on one row of eight new ones cannot pay where a draft step
-is dear beside a plain step: the seven wait for its K_max draft steps (AMX, int8 pair, 8
-rows: 0.46 s an iteration for 18 tokens, where plain decoding takes 0.11 s for 8), so all
-eight probe, at K = 3, where their reads are cheap beside the gain (AMX), and one row or
+draft kept (K_max before any cost was measured). Which rows: of those with the budget for K_max
+drafts, for P = 1, 2, ... of them, least lagging first, the P whose best K pays best, the first
+row's read left out of the forecast (a lone row's read would otherwise keep it from ever
+drafting) and the others' weighed as above. A policy that drafted only where its prior (a rate
+of 1/2) promised a gain would never learn a higher rate where a verification block costs
+several plain steps (a float32 verifier on a CPU without AMX): it would decode plainly forever,
+right or wrong. A probe that drafted K_max whatever the batch would stall a wave of joining
+rows: at 16 rows a block of 176 tokens costs more than the plain steps its tokens replace, and
+each drafter first reads its prompt. A probe on one row of eight new ones cannot pay where a
+draft step is dear beside a plain step: the seven wait for its K_max draft steps (AMX, int8
+pair, 8 rows: 0.46 s an iteration for 18 tokens, where plain decoding takes 0.11 s for 8), so
+all eight probe, at K = 3, where their reads are cheap beside the gain (AMX), and one row or
 none where they are dear.
 """
 
@@ -348,9 +348,16 @@ class SpeculationPolicy:
         fewest of equals; none where no K pays: K_max for the least lagging before any cost
         was measured). The least lagging row's read is left out of its forecast, so a probe
         pays one drafter's read to learn the acceptance that decides the rest; every other
-        probing row's read is weighed as ``forecast`` weighs it."""
-        order = sorted((i for i, g in enumerate(generations) if g.spec.auto_k),
+        probing row's read is weighed as ``forecast`` weighs it. Only rows with the budget for
+        K_max drafts probe: a row near its end judges a few drafts at most, and its drafter's
+        read, left out, would stall every row for nothing (held to AVX2, 8 clients: the last row
+        of a run, 3 tokens left and 240 unread, caught up for 0.9 s, 1.5% of the run)."""
+        full = self.max_draft_tokens
+        order = sorted((i for i, g in enumerate(generations)
+                        if g.spec.auto_k and g.draft_budget(full) == full),
                        key=behind.__getitem__)  # fmt: skip
+        if not order:
+            return [False] * len(generations), 0
         if not self.verify.sizes:
             return [i == order[0] for i in range(len(generations))], self.max_draft_tokens
         probes, best, best_rate = [False] * len(generations), 0, 0.0
