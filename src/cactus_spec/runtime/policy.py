@@ -359,7 +359,7 @@ class SpeculationPolicy:
         if not order:
             return [False] * len(generations), 0
         if not self.verify.sizes:
-            return [i == order[0] for i in range(len(generations))], self.max_draft_tokens
+            return [i == order[0] for i in range(len(generations))], full
         probes, best, best_rate = [False] * len(generations), 0, 0.0
         pool, certain = self.pool_chances(generations), [1.0] * self.max_draft_tokens
         for p in range(1, len(order) + 1):
