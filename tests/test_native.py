@@ -224,3 +224,34 @@ def test_no_rows_give_no_outputs(kind) -> None:
         w, bias = _bf16_layer(64, 16)
         got = _bf16(torch.empty(0, 64), w, bias)
     assert got.shape == (0, 16)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("bf16", marks=bf16)])
+@pytest.mark.parametrize("m", [1, 11])
+def test_the_threads_sharing_a_products_stripes_leave_its_bits_alone(kind, m) -> None:
+    """Threads take a product's stripes of outputs as they come free, one thread's the last
+    of another's (``share_stripes``): whichever thread sums a stripe, and however many share
+    them (more threads than cores included, where they take each other's most), the outputs
+    have the bits of one thread's."""
+    k, n = 200, 64 * 23 + 5  # 24 stripes, the last short
+    if kind == "int8":
+        layer, run = _layer(k, n), _run
+    elif kind == "int4":
+        layer, run = _int4_layer(k, n), _run4
+    else:
+        layer, run = _bf16_layer(k, n), _bf16
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run(x, *layer)
+        shared = []
+        for count in (2, 3, 7):
+            torch.set_num_threads(count)
+            shared += [run(x, *layer) for _ in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, alone) for out in shared)
+    nudged = x.clone()
+    nudged[0, 0] = torch.nextafter(x[0, 0], torch.tensor(float("inf"))) * 1.01
+    assert not torch.equal(run(nudged, *layer), alone)  # control: the check sees one input move

@@ -108,41 +108,62 @@ bool has_bf16() {
 #endif
 }
 
-void bf16_products(const Bf16Rows& rows, const Bf16Weight& w, float* out) {
-  const int64_t m = rows.m, n = w.bias.size(0), k2 = rows.k2;
-  TORCH_CHECK(has_bf16(), "bf16 products need AMX or AVX512-BF16 (has_bf16() is false)");
+namespace {
+
+// The stripes of kOutTile outputs of w, checked to be pack_bf16 of a weight with the rows' K.
+int64_t bf16_stripes(const Bf16Rows& rows, const Bf16Weight& w) {
+  const int64_t n = w.outputs();
   TORCH_CHECK(w.packed.scalar_type() == torch::kBFloat16 && w.packed.is_contiguous() &&
-                  w.packed.size(1) * 2 == k2 && w.packed.size(0) * kLanes >= n &&
+                  w.packed.size(1) * 2 == rows.k2 && w.packed.size(0) * kLanes >= n &&
                   w.bias.scalar_type() == torch::kFloat,
               "packed must be pack_bf16 of a bfloat16 [N, K] weight with x's K, bias float32 [N]");
+  return (n + kOutTile - 1) / kOutTile;
+}
+
+// out's columns of stripe s = every row's products with w's stripe s plus its bias, `step`
+// rows a pass (on AMX tiles configured for them where amx).
+void bf16_stripe(const Bf16Rows& rows, const Bf16Weight& w, int64_t s, bool amx, int64_t step,
+                 float* out) {
+  const int64_t m = rows.m, n = w.outputs(), k2 = rows.k2;
   const auto* weight = reinterpret_cast<const uint16_t*>(w.packed.data_ptr<at::BFloat16>());
   const float* bias = w.bias.data_ptr<float>();
+  const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
+  const uint16_t* stripe = weight + s * kOutTile * k2;
+  float sums[kPairRows][kOutTile];
+  for (int64_t r0 = 0, count; r0 < m; r0 += count) {
+    count = rows_at_once(amx, m - r0, step);
+#ifdef CACTUS_AMX
+    if (amx) {
+      const auto* tiles = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
+      amx_rows</*kBf16=*/true>(tiles, count, k2 * 2, reinterpret_cast<const uint8_t*>(stripe), sums);
+    }
+#endif
+#ifdef CACTUS_AVX512_BF16
+    if (!amx) dot_rows(rows.x.data() + r0 * k2, static_cast<int>(count), k2, stripe, sums);
+#endif
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = sums[r][j] + bias[n0 + j];
+    }
+  }
+}
+
+}  // namespace
+
+void bf16_products(const Bf16Rows& rows, std::initializer_list<Output<Bf16Weight>> layers) {
+  TORCH_CHECK(has_bf16(), "bf16 products need AMX or AVX512-BF16 (has_bf16() is false)");
   const bool amx = has_amx();
-  const int64_t stripes = (n + kOutTile - 1) / kOutTile;
-  const int64_t step = amx ? tile_rows(m) : rows_per_pass(m, kRowTile);
-  at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
+  const int64_t step = amx ? tile_rows(rows.m) : rows_per_pass(rows.m, kRowTile);
+  std::vector<int64_t> counts;
+  for (const auto& layer : layers) counts.push_back(bf16_stripes(rows, layer.weight));
+  const LayerStripes all(counts);
+  share_stripes(all.total(), [&](const auto& next) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
 #endif
-    float sums[kPairRows][kOutTile];
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      const uint16_t* stripe = weight + s * kOutTile * k2;
-      for (int64_t r0 = 0, count; r0 < m; r0 += count) {
-        count = rows_at_once(amx, m - r0, step);
-#ifdef CACTUS_AMX
-        if (amx) {
-          const auto* tiles = reinterpret_cast<const uint8_t*>(rows.x.data() + r0 * k2);
-          amx_rows</*kBf16=*/true>(tiles, count, k2 * 2, reinterpret_cast<const uint8_t*>(stripe), sums);
-        }
-#endif
-#ifdef CACTUS_AVX512_BF16
-        if (!amx) dot_rows(rows.x.data() + r0 * k2, static_cast<int>(count), k2, stripe, sums);
-#endif
-        for (int64_t r = 0; r < count; ++r) {
-          for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = sums[r][j] + bias[n0 + j];
-        }
-      }
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const auto [l, s] = all.at(i);
+      const Output<Bf16Weight>& layer = layers.begin()[l];
+      bf16_stripe(rows, layer.weight, s, amx, step, layer.out);
     }
 #ifdef CACTUS_AMX
     if (amx) _tile_release();
@@ -158,6 +179,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t m = rows.size(0), k = rows.size(1), k2 = packed.size(1) * 2;
   TORCH_CHECK(k <= k2 && k2 - k < kKStep, "packed must be pack_bf16 of a weight with x's K");
   std::vector<float> y(m * bias.size(0));
-  bf16_products(bf16_rows(rows.data_ptr<float>(), m, k, k2), {packed, bias}, y.data());
+  const Bf16Weight w{packed, bias};
+  bf16_products(bf16_rows(rows.data_ptr<float>(), m, k, k2), {{w, y.data()}});
   return torch::from_blob(y.data(), {m, bias.size(0)}, torch::kFloat).to(torch::kBFloat16);
 }

@@ -86,8 +86,8 @@ struct Int8Kernel {
   static Input input(const float* x, int64_t m, int64_t k, const Weight&) {
     return quantise_rows(x, m, k);
   }
-  static void products(const Input& in, const Weight& w, float* out) {
-    int8_products(in, w, out);
+  static void products(const Input& in, std::initializer_list<Output<Weight>> layers) {
+    int8_products(in, layers);
   }
 };
 
@@ -102,8 +102,8 @@ struct Int4Kernel {
   static Input input(const float* x, int64_t m, int64_t k, const Weight&) {
     return signed_rows(x, m, k);
   }
-  static void products(const Input& in, const Weight& w, float* out) {
-    int4_products(in, w, out);
+  static void products(const Input& in, std::initializer_list<Output<Weight>> layers) {
+    int4_products(in, layers);
   }
 };
 
@@ -118,8 +118,8 @@ struct Bf16Kernel {
   static Input input(const float* x, int64_t m, int64_t k, const Weight& w) {
     return bf16_rows(x, m, k, w.packed.size(1) * 2);
   }
-  static void products(const Input& in, const Weight& w, float* out) {
-    bf16_products(in, w, out);
+  static void products(const Input& in, std::initializer_list<Output<Weight>> layers) {
+    bf16_products(in, layers);
   }
 };
 
@@ -512,23 +512,20 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
              v = scratch(m * kv_heads * d), attended = scratch(m * heads * d);
   rms_norm(in, m, e, params[0].data_ptr<float>(), epsilon, normed.get());
   auto rows_in = Kernel::input(normed.get(), m, e, w[kQ]);
-  Kernel::products(rows_in, w[kQ], q.get());
-  Kernel::products(rows_in, w[kK], k.get());
-  Kernel::products(rows_in, w[kV], v.get());
+  Kernel::products(rows_in, {{w[kQ], q.get()}, {w[kK], k.get()}, {w[kV], v.get()}});
   attention(tokens, q.get(), k.get(), v.get(), cos, sin, keys, values, attended.get());
 
   const auto hidden = scratch(m * e), gate = scratch(m * inner), up = scratch(m * inner),
              down = scratch(m * e);
-  Kernel::products(Kernel::input(attended.get(), m, heads * d, w[kO]), w[kO], hidden.get());
+  Kernel::products(Kernel::input(attended.get(), m, heads * d, w[kO]), {{w[kO], hidden.get()}});
   for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += in[i];
   });
   rms_norm(hidden.get(), m, e, params[1].data_ptr<float>(), epsilon, normed.get());
   rows_in = Kernel::input(normed.get(), m, e, w[kGate]);
-  Kernel::products(rows_in, w[kGate], gate.get());
-  Kernel::products(rows_in, w[kUp], up.get());
+  Kernel::products(rows_in, {{w[kGate], gate.get()}, {w[kUp], up.get()}});
   for_rows(m, inner, [&](int64_t r) { silu_times(gate.get() + r * inner, up.get() + r * inner, inner); });
-  Kernel::products(Kernel::input(gate.get(), m, inner, w[kDown]), w[kDown], down.get());
+  Kernel::products(Kernel::input(gate.get(), m, inner, w[kDown]), {{w[kDown], down.get()}});
   for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += down[i];
   });

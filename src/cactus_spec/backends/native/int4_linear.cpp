@@ -282,33 +282,51 @@ SignedRows signed_rows(const float* x, int64_t m, int64_t k) {
   return rows;
 }
 
-void int4_products(const SignedRows& rows, const Int4Weight& w, float* out) {
-  const int64_t m = static_cast<int64_t>(rows.step.size()), n = w.outputs();
-  const int64_t groups = rows.k4 / kGroup;
+namespace {
+
+// The stripes of 64 outputs of w, checked to be pack_int4 of a weight with the rows' K.
+int64_t int4_stripes(const SignedRows& rows, const Int4Weight& w) {
+  const int64_t n = w.outputs(), groups = rows.k4 / kGroup;
   TORCH_CHECK(w.packed.scalar_type() == torch::kByte && w.packed.is_contiguous() &&
                   w.packed.size(1) == groups && w.packed.size(0) * kOutTile >= n &&
                   w.scales.scalar_type() == torch::kShort && w.scales.is_contiguous() &&
                   w.bias.scalar_type() == torch::kFloat,
               "packed and scales must be pack_int4 of a [N, K] weight with x's K, bias float32 [N]");
-  const uint8_t* codes = w.packed.data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const at::Half*>(w.scales.data_ptr<int16_t>());
+  return (n + kOutTile - 1) / kOutTile;
+}
+
+// out's columns of stripe s = every row's products with w's stripe s plus its bias.
+void int4_stripe(const SignedRows& rows, const Int4Weight& w, int64_t s, float* out) {
+  const int64_t m = static_cast<int64_t>(rows.step.size()), n = w.outputs();
+  const int64_t groups = rows.k4 / kGroup;
+  const uint8_t* stripe = w.packed.data_ptr<uint8_t>() + s * groups * kGroupBytes;
+  const auto* scales = reinterpret_cast<const at::Half*>(w.scales.data_ptr<int16_t>()) +
+                       s * groups * 2 * kOutTile;
   const float* bias = w.bias.data_ptr<float>();
-  const int64_t stripes = (n + kOutTile - 1) / kOutTile;
-  at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
-    float sums[kRowTile][kOutTile];
-    for (int64_t s = begin; s < end; ++s) {
-      const uint8_t* stripe = codes + s * groups * kGroupBytes;
-      const at::Half* stripe_scales = scales + s * groups * 2 * kOutTile;
-      const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
-        const int count = static_cast<int>(std::min<int64_t>(kRowTile, m - r0));
-        stripe_rows(rows, r0, count, stripe, stripe_scales, groups, sums);
-        for (int r = 0; r < count; ++r) {
-          const float step = rows.step[r0 + r];
-          float* y_row = out + (r0 + r) * n + n0;
-          for (int64_t j = 0; j < width; ++j) y_row[j] = step * sums[r][j] + bias[n0 + j];
-        }
-      }
+  const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
+  float sums[kRowTile][kOutTile];
+  for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+    const int count = static_cast<int>(std::min<int64_t>(kRowTile, m - r0));
+    stripe_rows(rows, r0, count, stripe, scales, groups, sums);
+    for (int r = 0; r < count; ++r) {
+      const float step = rows.step[r0 + r];
+      float* y_row = out + (r0 + r) * n + n0;
+      for (int64_t j = 0; j < width; ++j) y_row[j] = step * sums[r][j] + bias[n0 + j];
+    }
+  }
+}
+
+}  // namespace
+
+void int4_products(const SignedRows& rows, std::initializer_list<Output<Int4Weight>> layers) {
+  std::vector<int64_t> counts;
+  for (const auto& layer : layers) counts.push_back(int4_stripes(rows, layer.weight));
+  const LayerStripes all(counts);
+  share_stripes(all.total(), [&](const auto& next) {
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const auto [l, s] = all.at(i);
+      const Output<Int4Weight>& layer = layers.begin()[l];
+      int4_stripe(rows, layer.weight, s, layer.out);
     }
   });
 }
@@ -319,6 +337,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
               "x must be a contiguous float32 [M, K] tensor");
   const SignedRows rows = signed_rows(x.data_ptr<float>(), x.size(0), x.size(1));
   auto y = torch::empty({x.size(0), bias.size(0)}, x.options());
-  int4_products(rows, {packed, scales, bias}, y.data_ptr<float>());
+  const Int4Weight w{packed, scales, bias};
+  int4_products(rows, {{w, y.data_ptr<float>()}});
   return y;
 }

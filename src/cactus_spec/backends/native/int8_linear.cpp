@@ -269,40 +269,61 @@ torch::Tensor pack_int8(const torch::Tensor& w) {
   return padded.view({np / kLanes, kLanes, k4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-void int8_products(const Rows& rows, const Int8Weight& w, float* out) {
-  const int64_t m = static_cast<int64_t>(rows.step.size()), n = w.scale.size(0);
+namespace {
+
+// The stripes of kOutTile outputs of w, checked to be pack_int8 of a weight with the rows' K.
+int64_t int8_stripes(const Rows& rows, const Int8Weight& w) {
+  const int64_t n = w.outputs();
   TORCH_CHECK(w.packed.scalar_type() == torch::kChar && w.packed.is_contiguous() &&
                   w.packed.size(1) * 4 == rows.k4 && w.packed.size(0) * kLanes >= n,
               "packed must be pack_int8 of an int8 [N, K] weight with x's K");
-  const int8_t* weight = w.packed.data_ptr<int8_t>();
+  return (n + kOutTile - 1) / kOutTile;
+}
+
+// out's columns of stripe s = every row's products with w's stripe s (plus its bias), `step`
+// rows a pass (on AMX tiles configured for them where amx).
+void int8_stripe(const Rows& rows, const Int8Weight& w, int64_t s, bool amx, int64_t step,
+                 float* out) {
+  const int64_t m = static_cast<int64_t>(rows.step.size()), n = w.outputs();
+  const int8_t* stripe = w.packed.data_ptr<int8_t>() + s * kOutTile * rows.k4;
   const float* sc = w.scale.data_ptr<float>();
   const int32_t* sums = w.code_sums.data_ptr<int32_t>();
   const float* b = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
-  const int64_t stripes = (n + kOutTile - 1) / kOutTile;
+  const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
+  int32_t dots[kPairRows][kOutTile];
+  for (int64_t r0 = 0, count; r0 < m; r0 += count) {
+    count = rows_at_once(amx, m - r0, step);
+#ifdef CACTUS_AMX
+    if (amx) {
+      amx_rows</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, count, rows.k4,
+                                reinterpret_cast<const uint8_t*>(stripe), dots);
+    }
+#endif
+    if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, static_cast<int>(count), rows.k4, stripe, dots);
+    for (int64_t r = 0; r < count; ++r) {
+      outputs(dots[r], width, rows.step[r0 + r], rows.mid[r0 + r], sc + n0, sums + n0,
+              b ? b + n0 : nullptr, out + (r0 + r) * n + n0);
+    }
+  }
+}
+
+}  // namespace
+
+void int8_products(const Rows& rows, std::initializer_list<Output<Int8Weight>> layers) {
+  const int64_t m = static_cast<int64_t>(rows.step.size());
   const bool amx = m > 1 && has_amx();  // one row: VNNI streams the weight faster
   const int64_t step = amx ? tile_rows(m) : rows_per_pass(m, kRowTile);
-  at::parallel_for(0, stripes, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> counts;
+  for (const auto& layer : layers) counts.push_back(int8_stripes(rows, layer.weight));
+  const LayerStripes all(counts);
+  share_stripes(all.total(), [&](const auto& next) {
 #ifdef CACTUS_AMX
     if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
 #endif
-    int32_t dots[kPairRows][kOutTile];
-    for (int64_t s = begin; s < end; ++s) {
-      const int8_t* stripe = weight + s * kOutTile * rows.k4;
-      const int64_t n0 = s * kOutTile, width = std::min(kOutTile, n - n0);
-      for (int64_t r0 = 0, count; r0 < m; r0 += count) {
-        count = rows_at_once(amx, m - r0, step);
-#ifdef CACTUS_AMX
-        if (amx) {
-          amx_rows</*kBf16=*/false>(rows.u.data() + r0 * rows.k4, count, rows.k4,
-                                    reinterpret_cast<const uint8_t*>(stripe), dots);
-        }
-#endif
-        if (!amx) dot_rows(rows.u.data() + r0 * rows.k4, static_cast<int>(count), rows.k4, stripe, dots);
-        for (int64_t r = 0; r < count; ++r) {
-          outputs(dots[r], width, rows.step[r0 + r], rows.mid[r0 + r], sc + n0, sums + n0,
-                  b ? b + n0 : nullptr, out + (r0 + r) * n + n0);
-        }
-      }
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const auto [l, s] = all.at(i);
+      const Output<Int8Weight>& layer = layers.begin()[l];
+      int8_stripe(rows, layer.weight, s, amx, step, layer.out);
     }
 #ifdef CACTUS_AMX
     if (amx) _tile_release();
@@ -317,7 +338,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
               "x must be a contiguous float32 [M, K] tensor");
   const Rows rows = quantise_rows(x.data_ptr<float>(), x.size(0), x.size(1));
   auto y = torch::empty({x.size(0), scale.size(0)}, x.options());
-  int8_products(rows, {packed, scale, code_sums, bias.value_or(torch::Tensor())},
-                y.data_ptr<float>());
+  const Int8Weight w{packed, scale, code_sums, bias.value_or(torch::Tensor())};
+  int8_products(rows, {{w, y.data_ptr<float>()}});
   return y;
 }
