@@ -515,13 +515,15 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   Kernel::products(rows_in, {{w[kQ], q.get()}, {w[kK], k.get()}, {w[kV], v.get()}});
   attention(tokens, q.get(), k.get(), v.get(), cos, sin, keys, values, attended.get());
 
-  const auto hidden = scratch(m * e), gate = scratch(m * inner), up = scratch(m * inner),
-             down = scratch(m * e);
-  Kernel::products(Kernel::input(attended.get(), m, heads * d, w[kO]), {{w[kO], hidden.get()}});
+  // The block's output [b, T, E] in float32, first the attention's residual stream.
+  torch::Tensor output = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));
+  float* hidden = output.data_ptr<float>();
+  const auto gate = scratch(m * inner), up = scratch(m * inner), down = scratch(m * e);
+  Kernel::products(Kernel::input(attended.get(), m, heads * d, w[kO]), {{w[kO], hidden}});
   for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += in[i];
   });
-  rms_norm(hidden.get(), m, e, params[1].data_ptr<float>(), epsilon, normed.get());
+  rms_norm(hidden, m, e, params[1].data_ptr<float>(), epsilon, normed.get());
   rows_in = Kernel::input(normed.get(), m, e, w[kGate]);
   Kernel::products(rows_in, {{w[kGate], gate.get()}, {w[kUp], up.get()}});
   for_rows(m, inner, [&](int64_t r) { silu_times(gate.get() + r * inner, up.get() + r * inner, inner); });
@@ -529,7 +531,7 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
   for_rows(m, e, [&](int64_t r) {
     for (int64_t i = r * e; i < (r + 1) * e; ++i) hidden[i] += down[i];
   });
-  return torch::from_blob(hidden.get(), x.sizes(), torch::kFloat).to(x.scalar_type(), false, true);
+  return output.to(x.scalar_type());  // a float32 model's output as it is
 }
 
 }  // namespace
