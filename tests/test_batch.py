@@ -674,6 +674,30 @@ def test_a_probe_leaves_a_row_near_its_end_alone() -> None:
         assert (fresh.choose([g], [240]) != [0]) == probes
 
 
+def test_a_forecast_counts_only_the_drafts_a_rows_budget_can_use() -> None:
+    """Past its probe, a policy forecasts two rows leaving K open: one 3 tokens from its
+    budget's end (2 drafts of any K can still be emitted), one 50. At K = 10 the near row adds
+    the tokens and block of K = 2 only, and the draft steps past the second run over the far
+    row alone; the forecast is the sum of those table entries. The control: the far row's
+    tokens grow with K beyond 2."""
+    d = decoder(1)
+    policy = fresh_policy(AVX2_VERIFY, AVX2_DRAFT, catch_up_token_s=0.0)
+    policy.pool_accepted, policy.pool_reached = [900.0] * 10, [1000.0] * 10  # past its probe
+    near, far = (generation(d, [1, 2, 3], spec_of(SpS(), None), max_new_tokens=96) for _ in "ab")
+    near.context.extend([7] * 93)  # what it emitted: 3 tokens left
+    forecast = policy.forecast([near, far], [0, 0])
+    chances = [policy.chances(g, policy.pool_chances([near, far])) for g in (near, far)]
+    tokens, seconds = forecast[10]
+    assert tokens == pytest.approx(expected_tokens(chances[0], 2) + expected_tokens(chances[1], 10))
+    steps = 2 * policy.draft.estimate(2) + 8 * policy.draft.estimate(1)
+    assert seconds == pytest.approx(steps + policy.block((2 + 1) + (10 + 1)))
+    alone = policy.forecast([near], [0])
+    assert alone[10] == alone[2]  # beyond its budget a K adds nothing and costs nothing
+    assert policy.choose([near], [0]) != [10]  # so the policy asks no more than it can use
+    lone_far = policy.forecast([far], [0])
+    assert lone_far[10][0] > lone_far[2][0]  # control: a row far from its end gains
+
+
 #: A calibration with AMX's cheap blocks: seconds by tokens or rows.
 AMX_VERIFY = {1: 0.050, 4: 0.052, 8: 0.055, 16: 0.060, 32: 0.090, 64: 0.150, 128: 0.300}
 AMX_DRAFT = {1: 0.005, 4: 0.008, 16: 0.020}
@@ -682,9 +706,10 @@ AMX_DRAFT = {1: 0.005, 4: 0.008, 16: 0.020}
 def test_a_probe_drafts_on_as_many_rows_as_pays() -> None:
     """A fresh policy (probing) over 8 new rows that leave K open and one that fixed K = 3,
     with AMX's cheap blocks but a dear draft step: one row drafting while seven wait cannot
-    pay, eight can. With their drafters' reads cheap, all eight probe at one K and the fixed
-    row keeps its K; with reads dear, none probes (the control: the same rows, past the probe,
-    draft once caught up)."""
+    pay, several can. With their drafters' reads cheap, the least lagging seven probe at one
+    K (the eighth's read, 300 tokens, costs more than its drafts gain) and the fixed row keeps
+    its K; with reads dear, none probes (the control: the same rows, past the probe, draft
+    once caught up)."""
     d = decoder(1)
     lags = [158, 40, 300, 90, 120, 60, 200, 80]
     prompt, auto = list(range(1, 159)), spec_of(SpS(), None)
@@ -693,7 +718,9 @@ def test_a_probe_drafts_on_as_many_rows_as_pays() -> None:
     fresh = fresh_policy(AMX_VERIFY, {1: 0.010, 16: 0.030}, catch_up_token_s=0.001)
     assert fresh.probing()
     ks = fresh.choose([*rows, fixed], [*lags, 0])
-    assert len(set(ks[:8])) == 1 and ks[0] > 0 and ks[8] == 3
+    probes = sorted(range(8), key=lags.__getitem__)[:7]
+    assert len({ks[i] for i in probes}) == 1 and ks[probes[0]] > 0 and ks[8] == 3
+    assert ks[lags.index(max(lags))] == 0
     fresh.catch_up_token_s = 0.050
     assert fresh.choose([*rows, fixed], [*lags, 0]) == [0] * 8 + [3]
     fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe

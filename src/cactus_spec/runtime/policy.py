@@ -3,10 +3,12 @@
 In an iteration over B rows, row b keeps its j-th draft, once it kept every draft before
 it, with chance a_bj. Drafting K tokens for each row yields in expectation
 
-    E(K) = sum_b (1 + S_b1 + ... + S_bK),   S_bj = a_b1 ... a_bj     tokens (kept drafts + one)
+    E(K) = sum_b (1 + S_b1 + ... + S_bK_b),   S_bj = a_b1 ... a_bj     tokens (kept drafts + one)
 
-(a row that fixed its own K counts its own K's tokens at the pool's chances, and a row at
-K = 0 one: the batch's tokens, not only the drafting rows'). The chances are estimated per
+K_b = min(K, the drafts row b's budget can still use: ``Generation.draft_budget``; a row 3
+tokens from its end drafts 2 whatever K); a row that fixed its own K counts its own K's
+tokens at the pool's chances, and a row at K = 0 one: the batch's tokens, not only the
+drafting rows'. The chances are estimated per
 position, because acceptance runs in stretches: where rejections fall mostly on an
 iteration's first drafts, one rate for all positions, held down by them, undervalues the
 later drafts, and with them long chains. The pool's chance at position j, over the
@@ -29,11 +31,12 @@ token behind an iteration, which weighs against drafting once the batch has form
 
 and costs
 
-    T(K) = K * t_draft(R) + t_block(n) + [K > 0] c rho E_auto(K)   seconds,
-    n = n_fixed + sum_b (w_b K + 1),   t_block(n) = t_verify(n) + t_host(n),
+    T(K) = sum_j t_draft(R_j) + t_block(n) + [K > 0] c rho E_auto(K)   seconds,
+    n = n_fixed + sum_b (w_b K_b + 1),   t_block(n) = t_verify(n) + t_host(n),
 
 where w_b is row b's width (a draft tree's nodes per depth, 1 for a chain; a tree's a_bj is
-its rate at depth j, read off the same history), R = sum_b w_b the rows of one draft step,
+its rate at depth j, read off the same history), R_j = sum of w_b over the rows with
+K_b >= j the rows of the j-th draft step (j = 1 .. max K_b),
 t_draft(r) one draft step over r rows, t_verify(n) one verifier forward over n tokens in
 all, t_host(n) the rest of an iteration that verifies n tokens (processing each token's row
 of q, judging, the meter: it grows with n as the forward does, and is no share of either
@@ -397,20 +400,30 @@ class SpeculationPolicy:
     ) -> list[tuple[float, float]]:
         widths = [g.verification.branches for g in auto]
         fixed_tokens = _plain_tokens(fixed)
-        fixed_emitted = sum(expected_tokens(pool, _fixed_k(g)) for g in fixed)
-        drafting = [g.verification.branches for g in fixed if _fixed_k(g) > 0]
-        rows = sum(widths) + sum(drafting)  # rows of one draft step
-
+        fixed_emitted = sum(expected_tokens(pool, _budget(g)) for g in fixed)
+        fixed_drafts = [(g.verification.branches, _budget(g)) for g in fixed]
         read = self.catch_up_token_s * self.reads_per_token(auto, lags)  # c rho
 
         def forecast(k: int) -> tuple[float, float]:
-            per_row = [expected_tokens(c, k) for c in chances]
-            cost = self.block(fixed_tokens + sum(w * k + 1 for w in widths))
+            drafts = [g.draft_budget(k) for g in auto]  # what a row near its end can still use
+            rows = list(zip(widths, drafts, strict=True))
+            per_row = [expected_tokens(c, n) for c, n in zip(chances, drafts, strict=True)]
+            cost = self.block(fixed_tokens + sum(w * n + 1 for w, n in rows))
             if k > 0 and per_row:
-                cost += k * self.draft.estimate(rows) + read * sum(per_row)
+                cost += self._draft_steps([*rows, *fixed_drafts])
+                cost += read * sum(per_row)
             return fixed_emitted + sum(per_row), cost
 
         return [forecast(k) for k in range(self.max_draft_tokens + 1)]
+
+    def _draft_steps(self, rows: Sequence[tuple[int, int]]) -> float:
+        """Seconds of an iteration's draft steps for rows of (width, drafts): step j runs over
+        the rows that draft j or more (``Drafter.propose`` drops a row once it drafted its
+        own)."""
+        steps = max((n for _, n in rows), default=0)
+        return sum(
+            self.draft.estimate(sum(w for w, n in rows if n >= j)) for j in range(1, steps + 1)
+        )
 
     def reads_per_token(self, auto: Sequence[Generation], lags: Sequence[int]) -> float:
         """rho: the tokens drafters read beyond their steady lag per token the rows that leave
@@ -550,8 +563,14 @@ def _after_opening(g: Generation) -> tuple[list[int], list[int]]:
 
 def _plain_tokens(generations: Sequence[Generation]) -> int:
     """Tokens the verifier reads in an iteration where the rows that leave K open draft none
-    (their ``_fixed_k`` is 0) and the others their own K."""
-    return sum(_fixed_k(g) * g.verification.branches + 1 for g in generations)
+    (their ``_fixed_k`` is 0) and the others their own K, as far as their budgets reach."""
+    return sum(_budget(g) * g.verification.branches + 1 for g in generations)
+
+
+def _budget(g: Generation) -> int:
+    """The drafts a row drafts at its own K (0 for one that leaves K open): as many as its
+    budget can still use."""
+    return g.draft_budget(_fixed_k(g))
 
 
 def _best_k(forecast: Sequence[tuple[float, float]]) -> int:
