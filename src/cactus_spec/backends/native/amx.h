@@ -132,6 +132,28 @@ void amx_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, const uint8
 }
 #endif
 
+// The calling thread's tiles shaped for tiles of `rows` input rows while this lives, where
+// `on` (AMX compiled in and used), released after: a thread's own state.
+class Tiles {
+ public:
+  Tiles(bool on, int64_t rows) : on_(on) {
+#ifdef CACTUS_AMX
+    if (on_) configure_tiles(rows);
+#endif
+    (void)rows;
+  }
+  ~Tiles() {
+#ifdef CACTUS_AMX
+    if (on_) _tile_release();
+#endif
+  }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+
+ private:
+  bool on_;
+};
+
 // Input rows of a pair of AMX tiles (amx_stripe_pair).
 constexpr int64_t kPairRows = 32;
 

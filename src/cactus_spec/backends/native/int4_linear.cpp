@@ -321,13 +321,10 @@ void int4_stripe(const SignedRows& rows, const Int4Weight& w, int64_t s, float* 
 void int4_products(const SignedRows& rows, std::initializer_list<Output<Int4Weight>> layers) {
   std::vector<int64_t> counts;
   for (const auto& layer : layers) counts.push_back(int4_stripes(rows, layer.weight));
-  const LayerStripes all(counts);
-  share_stripes(all.total(), [&](const auto& next) {
-    for (int64_t i = next(); i >= 0; i = next()) {
-      const auto [l, s] = all.at(i);
-      const Output<Int4Weight>& layer = layers.begin()[l];
-      int4_stripe(rows, layer.weight, s, layer.out);
-    }
+  const auto nothing = [] { return 0; };  // no per-thread state
+  for_layer_stripes(counts, nothing, [&](int64_t l, int64_t s) {
+    const Output<Int4Weight>& layer = layers.begin()[l];
+    int4_stripe(rows, layer.weight, s, layer.out);
   });
 }
 

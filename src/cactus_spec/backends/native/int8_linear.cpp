@@ -315,19 +315,10 @@ void int8_products(const Rows& rows, std::initializer_list<Output<Int8Weight>> l
   const int64_t step = amx ? tile_rows(m) : rows_per_pass(m, kRowTile);
   std::vector<int64_t> counts;
   for (const auto& layer : layers) counts.push_back(int8_stripes(rows, layer.weight));
-  const LayerStripes all(counts);
-  share_stripes(all.total(), [&](const auto& next) {
-#ifdef CACTUS_AMX
-    if (amx) configure_tiles(step);  // per thread: the tile registers are a thread's state
-#endif
-    for (int64_t i = next(); i >= 0; i = next()) {
-      const auto [l, s] = all.at(i);
-      const Output<Int8Weight>& layer = layers.begin()[l];
-      int8_stripe(rows, layer.weight, s, amx, step, layer.out);
-    }
-#ifdef CACTUS_AMX
-    if (amx) _tile_release();
-#endif
+  const auto tiles = [&] { return Tiles(amx, step); };
+  for_layer_stripes(counts, tiles, [&](int64_t l, int64_t s) {
+    const Output<Int8Weight>& layer = layers.begin()[l];
+    int8_stripe(rows, layer.weight, s, amx, step, layer.out);
   });
 }
 

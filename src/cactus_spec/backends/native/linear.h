@@ -110,6 +110,21 @@ class LayerStripes {
   std::vector<int64_t> first_;  // [layers + 1]: each layer's first stripe, then the total
 };
 
+// each(layer, s) for every stripe s of every layer (counts[layer] of them), all in one
+// parallel region (share_stripes), each thread holding what start() gives it meanwhile (its
+// AMX tiles' shape).
+template <class Start, class Each>
+void for_layer_stripes(const std::vector<int64_t>& counts, const Start& start, const Each& each) {
+  const LayerStripes all(counts);
+  share_stripes(all.total(), [&](const auto& next) {
+    [[maybe_unused]] const auto held = start();
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const auto [layer, s] = all.at(i);
+      each(layer, s);
+    }
+  });
+}
+
 // A layer of a product: its weight and its outputs [M, N]; a product of several reads the
 // same input rows.
 template <class Weight>
