@@ -253,3 +253,36 @@ def test_a_drafts_native_cache_is_bfloat16_a_verifiers_the_models(quant, draft, 
     model = make_tiny_lm() if quant is None else quantize(make_tiny_lm(), quant)
     backend = make_backend(LoadedModel(model, None, "t", None), "lean", draft=draft)
     assert backend.cache.keys.dtype == dtype
+
+
+def _stacked_and_looped(kind: str) -> tuple[LeanBackend, LeanBackend]:
+    """Backends of 3 rows over one native model of ``kind``: its blocks in one call (the stack),
+    and one call per block."""
+    reference = make_tiny_qwen2(seed=0)
+    model = quantize(reference, kind) if kind in ("int8", "int4") else reference.bfloat16()
+    stacked, looped = LeanModel(model), LeanModel(model)
+    assert stacked.stack is not None
+    looped.stack = None
+    return LeanBackend(stacked, batch=3), LeanBackend(looped, batch=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_stack_computes_the_blocks_one_call_each_bit_for_bit(kind) -> None:
+    stacked, looped = _stacked_and_looped(kind)
+    feeds = [  # ragged prompts; one-token steps; then token trees (a masked feed)
+        lambda b, swap=False: b.append_ragged([[3, 17, 42], [5, 6, 7, 8, 9, 10], [11]], [0, 1, 2]),
+        lambda b, swap=False: b.append_ragged([[1], [4], [12]], [2, 0, 1]),
+        lambda b, swap=False: b.append_tree([[5, 6, 7], [9]], [[-1, 0, 0], [-1]], [0, 2]),
+        lambda b, swap=False: b.append_ragged([[2, 8] if swap else [8, 2], [13, 14]], [1, 0]),
+    ]
+    for feed in feeds:
+        for got, expected in zip(feed(stacked), feed(looped), strict=True):
+            assert torch.equal(got, expected)
+    for layer in range(len(stacked.model.blocks)):
+        pairs = zip(stacked.cache.layer(layer), looped.cache.layer(layer), strict=True)
+        assert all(torch.equal(got, expected) for got, expected in pairs)
+    # the control: the same comparison tells two tokens read in another order apart
+    stacked, looped = _stacked_and_looped(kind)
+    for feed in feeds[:-1]:
+        feed(stacked), feed(looped)
+    assert not torch.equal(feeds[-1](stacked)[0], feeds[-1](looped, swap=True)[0])

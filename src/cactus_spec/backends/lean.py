@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from cactus_spec.backends.base import synchronize
-from cactus_spec.backends.native_block import NativeBlock
+from cactus_spec.backends.native_block import NativeBlock, NativeStack
 from cactus_spec.backends.packed import pack_linears, packing_available
 from cactus_spec.backends.quant import project
 
@@ -350,6 +350,7 @@ class LeanModel(nn.Module):
             else Block(layer, eps, self.heads, self.kv_heads, self.head_dim)
             for layer in inner.layers
         )
+        self.stack = NativeStack.of(list(self.blocks))  # None unless every block is native
         self.norm = RMSNorm(inner.norm.weight, eps)
         self.lm_head = hf_model.lm_head
         theta = config.rope_parameters["rope_theta"]
@@ -395,6 +396,8 @@ class LeanModel(nn.Module):
         but leaves their lengths to the caller (``cache.advance``)."""
         rope = self.rope(feed.positions)
         x = self.embed(tokens)  # [b, T, E]
+        if self.stack is not None:
+            return self.stack(x, rope, cache, feed)
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, cache, feed, layer)
         return x

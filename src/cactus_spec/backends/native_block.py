@@ -10,11 +10,14 @@ whatever the model's dtype (see ``native/block.cpp``): the same law up to float 
 (sums in another order, which may move an activation code by one step; a bfloat16
 model's block rounds at its ends and at its products' inputs only). It takes the layers'
 tensors by reference (nothing is copied) and writes the rows' keys and values into the
-lean ``KVCache`` as the Python block does.
+lean ``KVCache`` as the Python block does. ``NativeStack`` runs a model's blocks, all native
+of one kind, in one native call: the same computation, bit for bit, without a Python call
+per block (24 of them in a draft step of 10 ms, 0.3-0.4 ms among them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -46,6 +49,7 @@ class NativeBlock(nn.Module):
         for layer in _layers(hf_layer):
             self.params += layer.block_params()
         self._call = getattr(native.loaded(), f"{kind}_block")
+        self.native_kind = kind
         self.eps, self.heads, self.kv_heads = eps, heads, kv_heads
 
     @staticmethod
@@ -66,3 +70,29 @@ class NativeBlock(nn.Module):
             x, cos, sin, keys, values, feed.rows, feed.starts, mask, self.params,
             self.eps, self.heads, self.kv_heads,
         )  # fmt: skip
+
+
+class NativeStack:
+    """Every block of a model, all ``NativeBlock``s of one kind, in one native call
+    (``native.DecoderStack``, which holds the blocks' tensors by reference)."""
+
+    def __init__(self, blocks: Sequence[NativeBlock]) -> None:
+        first = blocks[0]
+        self._call = native.loaded().DecoderStack(
+            first.native_kind, [b.params for b in blocks], first.eps, first.heads, first.kv_heads
+        )
+
+    @staticmethod
+    def of(blocks: Sequence[nn.Module]) -> NativeStack | None:
+        """The stack of ``blocks`` when they are all native blocks of one kind; else None."""
+        kinds = {getattr(b, "native_kind", None) for b in blocks}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        return NativeStack(blocks)  # type: ignore[arg-type]  # each has a native kind
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, feed) -> Tensor:
+        """x [b, T, E] through every block (``NativeBlock.forward``'s arguments, the whole
+        cache for every layer) -> [b, T, E]."""
+        cos, sin = rope  # [b, 1, T, D] each
+        mask = None if feed.causal else feed.mask[:, 0]  # [b, T, S']
+        return self._call(x, cos, sin, cache.keys, cache.values, feed.rows, feed.starts, mask)

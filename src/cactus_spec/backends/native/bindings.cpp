@@ -18,5 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "y = x W^T + b in bfloat16 on AMX tiles", free);
   m.def("bf16_block", bf16_block, "one bfloat16 decoder block over the layer's KV cache", free);
   m.def("has_bf16", &has_bf16, "whether bf16_linear runs here (AMX or AVX512-BF16)", free);
+  py::class_<DecoderStack>(m, "DecoderStack", "a model's decoder blocks of one kind in one call")
+      .def(py::init<const std::string&, std::vector<std::vector<torch::Tensor>>, double, int64_t,
+                    int64_t>())
+      .def("__call__", &DecoderStack::forward, free);
   m.def("has_amx", &has_amx, "whether AMX tiles were compiled in and granted", free);
 }

@@ -539,3 +539,27 @@ torch::Tensor decoder_block(const torch::Tensor& x, const torch::Tensor& cos,
 DecoderBlock* const int8_block = decoder_block<Int8Kernel>;
 DecoderBlock* const int4_block = decoder_block<Int4Kernel>;
 DecoderBlock* const bf16_block = decoder_block<Bf16Kernel>;
+
+DecoderStack::DecoderStack(const std::string& kind, std::vector<std::vector<torch::Tensor>> layers,
+                           double eps, int64_t heads, int64_t kv_heads)
+    : block_(kind == "int8" ? int8_block : kind == "int4" ? int4_block : kind == "bf16" ? bf16_block : nullptr),
+      layers_(std::move(layers)), eps_(eps), heads_(heads), kv_heads_(kv_heads) {
+  TORCH_CHECK(block_, "kind must be int8, int4 or bf16, got ", kind);
+}
+
+torch::Tensor DecoderStack::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                    const torch::Tensor& sin, const torch::Tensor& keys,
+                                    const torch::Tensor& values, const std::vector<int64_t>& rows,
+                                    const std::vector<int64_t>& starts,
+                                    const std::optional<torch::Tensor>& mask) const {
+  TORCH_CHECK(keys.dim() == 5 && keys.size(0) == static_cast<int64_t>(layers_.size()),
+              "keys must be the whole cache [L, B, H_kv, S, D], one layer per block");
+  const torch::Tensor c = cos.to(torch::kFloat).contiguous(), s = sin.to(torch::kFloat).contiguous();
+  torch::Tensor hidden = x;
+  for (size_t layer = 0; layer < layers_.size(); ++layer) {
+    const auto at = static_cast<int64_t>(layer);
+    hidden = block_(hidden, c, s, keys.select(0, at), values.select(0, at), rows, starts, mask,
+                    layers_[layer], eps_, heads_, kv_heads_);
+  }
+  return hidden;
+}

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 using DecoderBlock = torch::Tensor(const torch::Tensor& x, const torch::Tensor& cos,
@@ -22,3 +23,24 @@ using DecoderBlock = torch::Tensor(const torch::Tensor& x, const torch::Tensor& 
 extern DecoderBlock* const int8_block;  // int8 layers (int8_linear)
 extern DecoderBlock* const int4_block;  // int4 layers (int4_linear)
 extern DecoderBlock* const bf16_block;  // bfloat16 layers on AMX tiles (bf16_linear)
+
+// A model's decoder blocks, all of one kind ("int8", "int4" or "bf16"), in one call: x through
+// each layer's block in turn, layer l over keys[l] and values[l] (the whole cache [L, B, H_kv,
+// S, D]), the rotary tables read as float32 once. The same computation, bit for bit, as one
+// block call per layer, without a Python call and 23 tensors converted per layer: a one-token
+// draft step makes 24 such calls.
+class DecoderStack {
+ public:
+  DecoderStack(const std::string& kind, std::vector<std::vector<torch::Tensor>> layers,
+               double eps, int64_t heads, int64_t kv_heads);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& keys, const torch::Tensor& values,
+                        const std::vector<int64_t>& rows, const std::vector<int64_t>& starts,
+                        const std::optional<torch::Tensor>& mask) const;
+
+ private:
+  DecoderBlock* block_;
+  std::vector<std::vector<torch::Tensor>> layers_;  // each layer's params (see above)
+  double eps_;
+  int64_t heads_, kv_heads_;
+};
