@@ -55,12 +55,15 @@ def stable_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return values[..., :k], ids[..., :k]
 
 
-@pytest.mark.parametrize("shape", [(40, 151936), (3, 5, 8000), (7, 32768), (4, 300)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(40, 151936), (3, 5, 8000), (7, 32768), (1, 32768), (4, 300)], ids=str
+)
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 def test_top_k_is_the_stable_sorts_first_k(shape: tuple[int, ...], ties: bool) -> None:
     """Every path of ``top_k`` (chunks of a vocabulary that is a multiple of the chunk, one
-    padded, one too small to chunk) keeps the values and ids a stable sort ranks first, ties
-    (integer logits, -inf included) broken by the lower id."""
+    padded, one too small to chunk; torch.topk's for few logits, distinct or tied) keeps the
+    values and ids a stable sort ranks first, ties (integer logits, -inf included) broken by
+    the lower id."""
     logits = 3 * torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
     if ties:
         logits = (2 * logits).round()

@@ -137,6 +137,7 @@ class ModelDrafter:
         self.backend = backend
         self.vocab_size = vocab_size
         self.head = head  # [N] the ids a truncated head's logits stand for; None: all
+        self._head_ids = [] if head is None else head.tolist()  # the same, for one id at a time
         self._cached: dict[int, list[int]] = {}  # row -> the tokens its cache holds
         self._trees: dict[int, TokenTree] = {}  # row -> the draft tree its cache holds
 
@@ -195,7 +196,9 @@ class ModelDrafter:
         return drafts  # type: ignore[return-value]  # every request is in one shape
 
     def _propose_chains(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """Every request's chain, one draft step over the rows still drafting at a time."""
+        """Every request's chain, one draft step over the rows still drafting at a time; a
+        row drafted on the head keeps its p over the head's ids until its chain is drawn,
+        then all its rows are placed at once (``_chain_rows``)."""
         pending = [self._unread(r.row, r.context) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         rows: list[list[Tensor]] = [[] for _ in requests]
@@ -209,18 +212,17 @@ class ModelDrafter:
             last = [row_logits[-1:] for row_logits in logits]  # [1, N] each
             step = self._next_probs(asked, [tokens[i] for i in active], last)
             for i, probs in zip(active, step, strict=True):
-                r = requests[i]
-                token = self._draw(probs, r)
+                token, confidence = self._draw(probs, requests[i])
                 rows[i].append(probs)
                 tokens[i].append(token)
-                confidences[i].append(float(probs[0, token]))
+                confidences[i].append(confidence)
                 pending[i] = [token]
             active = [i for i in active if _drafts_more(requests[i], confidences[i])]
         drafts = []
         for request, drafted, drafted_rows in zip(requests, tokens, rows, strict=True):
             if drafted:  # the cache holds the context and every draft but the last
                 self._cached[request.row] = list(request.context) + drafted[:-1]
-            drafts.append(Draft(drafted, torch.cat(drafted_rows) if drafted_rows else None))
+            drafts.append(Draft(drafted, self._chain_rows(request, drafted_rows)))
         return drafts
 
     def _propose_trees(self, requests: Sequence[DraftRequest]) -> list[Draft]:
@@ -259,55 +261,64 @@ class ModelDrafter:
     def _next_probs(
         self, requests: Sequence[DraftRequest], drafted: Sequence[list[int]], logits: list[Tensor]
     ) -> list[Tensor]:
-        """p [1, V] of each request's next draft from its head's logits [1, N]. Rows that only
-        sample (no ``process``) at one sampling config are processed together, on the head's
-        logits where the config keeps only tokens the head holds (greedy, or a top-k below N,
-        which takes the top-k path: the distribution over the whole vocabulary with -inf off
-        the head, ties broken alike since the head's ids ascend), then placed at the head's
-        ids; the others alone over the whole vocabulary. Each row's p has the bits it has
-        alone."""
+        """p of each request's next draft from its head's logits [1, N]: [1, N] over the
+        head's ids for a request drafted on the head (``_on_head``), else [1, V]. Rows drafted
+        on the head at one sampling config are processed together, on the head's logits (the
+        distribution the config gives the whole vocabulary with -inf off the head, ties
+        broken alike since the head's ids ascend); the others alone over the whole
+        vocabulary. Each row's p has the bits it has alone."""
         out: list[Tensor | None] = [None] * len(requests)
         together: dict[SamplingConfig, list[int]] = {}
         for j, r in enumerate(requests):
-            if r.process is None and self._on_head(r.sampling):
+            if self._on_head(r):
                 together.setdefault(r.sampling, []).append(j)
             else:
                 out[j] = r.probs(self._full_row(logits[j]), drafted[j])
         for sampling, members in together.items():
             head_logits = torch.cat([logits[j][:, : self._width] for j in members])  # [A, N]
-            placed = self._placed(logits_to_probs(head_logits, sampling))  # [A, V]
+            probs = logits_to_probs(head_logits, sampling)  # [A, N]
             for a, j in enumerate(members):
-                out[j] = placed[a : a + 1]
+                out[j] = probs[a : a + 1]
         return out  # type: ignore[return-value]  # every row is in one of the two
 
-    def _draw(self, probs: Tensor, request: DraftRequest) -> int:
-        """One token from p [1, V], drawn over the head's ids where the head is truncated:
-        p is 0 off the head and the head's ids ascend, so an inverse-CDF draw (or an argmax)
-        over the head's columns adds the same masses in the same order and picks the same
-        token, at N / V of the cost."""
+    def _draw(self, probs: Tensor, request: DraftRequest) -> tuple[int, float]:
+        """One token and its probability from ``_next_probs``'s p for ``request``, drawn over
+        the head's ids where the head is truncated: p is 0 off the head and the head's ids
+        ascend, so an inverse-CDF draw (or an argmax) over the head's columns adds the same
+        masses in the same order and picks the same token, at N / V of the cost."""
         greedy, generator = request.sampling.greedy, request.generator
         if self.head is None:
-            return draw(probs, greedy, generator)
-        return int(self.head[draw(probs[:, self.head], greedy, generator)])
+            token = draw(probs, greedy, generator)
+            return token, float(probs[0, token])
+        if not self._on_head(request):
+            probs = probs[:, self.head]  # [1, N]
+        at = draw(probs, greedy, generator)
+        return self._head_ids[at], float(probs[0, at])
 
-    def _on_head(self, sampling: SamplingConfig) -> bool:
-        """Whether ``sampling`` gives the head's logits the distribution it gives the whole
-        vocabulary's with -inf off the head (any config for a whole head)."""
-        if self.head is None:
-            return True
-        return sampling.greedy or 0 < sampling.top_k < self._width
+    def _on_head(self, request: DraftRequest) -> bool:
+        """Whether the request's p is drafted over the head's ids: it only samples (no
+        ``process``) by a config that gives the head's logits the distribution it gives the
+        whole vocabulary's with -inf off the head (any config for a whole head)."""
+        if request.process is not None:
+            return False
+        sampling = request.sampling
+        return self.head is None or sampling.greedy or 0 < sampling.top_k < self._width
 
     @property
     def _width(self) -> int:
         """N, the tokens the head's logits stand for."""
         return self.vocab_size if self.head is None else len(self.head)
 
-    def _placed(self, probs: Tensor) -> Tensor:
-        """Distributions [A, N] over the head's ids as rows [A, V] over the vocabulary."""
-        if self.head is None:
+    def _chain_rows(self, request: DraftRequest, rows: list[Tensor]) -> Tensor | None:
+        """A chain's p rows [K, V] over the vocabulary, from ``_next_probs``'s (a cut
+        head's [1, N] placed at its ids, 0 elsewhere); None for no rows."""
+        if not rows:
+            return None
+        probs = torch.cat(rows)  # [K, N or V]
+        if self.head is None or not self._on_head(request):
             return probs
-        rows = probs.new_zeros((probs.shape[0], self.vocab_size))  # [A, V]
-        return rows.index_copy_(1, self.head, probs)
+        placed = probs.new_zeros((probs.shape[0], self.vocab_size))  # [K, V]
+        return placed.index_copy_(1, self.head, probs)
 
     def _full_row(self, logits: Tensor) -> Tensor:
         """Logits [1, V] over the whole vocabulary: a truncated head's [1, N] placed at its
