@@ -33,6 +33,7 @@ int4 or all native bfloat16 runs as one native call (``native_block``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,9 +171,22 @@ class Feed:
     span: slice | None  # the rows, when contiguous (their cache is a view, no copy)
     index: Tensor | None  # [b] the rows otherwise
     end: int  # one past the furthest slot written
-    mask: Tensor  # [b, 1, T, S'] which keys each query sees
     positions: Tensor  # [b, T] rotary positions
-    causal: bool = True  # mask = keys at slots <= the query's own (a native block needs no mask)
+    tree_mask: Tensor | None = None  # [b, 1, T, S'] a token tree's keys seen; None: causal
+
+    @property
+    def causal(self) -> bool:
+        """Whether each query sees the slots up to its own (a native block needs no mask)."""
+        return self.tree_mask is None
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        """[b, 1, T, S'] which keys each query sees: the tree's, or the slots up to the
+        query's own; made when first asked (a native forward never asks for a causal one)."""
+        if self.tree_mask is not None:
+            return self.tree_mask
+        keys_at = torch.arange(self.end, device=self.positions.device)  # [S']
+        return (keys_at[None, None, None, :] <= self.positions[:, None, :, None]).contiguous()
 
 
 @dataclass(frozen=True)
@@ -236,14 +250,12 @@ class KVCache:
     def begin(self, count: int, rows: list[int]) -> Feed:
         """The feed of ``count`` new tokens to each of ``rows``, after their cached ones
         (the cache grows here if it must); lengths move only with ``advance``."""
-        device = self.lengths.device
         span, index, lengths = self._rows(rows)
-        positions = lengths[:, None] + torch.arange(count, device=device)  # [b, T]
-        end = int(positions.max()) + 1
+        starts = lengths.tolist()
+        end = max(starts) + count
         self._reserve(end)
-        keys_at = torch.arange(end, device=device)  # [S']
-        mask = (keys_at[None, None, None, :] <= positions[:, None, :, None]).contiguous()
-        return Feed(list(rows), lengths.tolist(), span, index, end, mask, positions)
+        positions = lengths[:, None] + torch.arange(count, device=lengths.device)  # [b, T]
+        return Feed(list(rows), starts, span, index, end, positions)
 
     def begin_tree(self, rows: list[int], trees: list[PendingTree], counts: list[int]) -> Feed:
         """The feed of the last ``counts[i]`` nodes of ``trees[i]`` to ``rows[i]``, right-padded
@@ -265,7 +277,7 @@ class KVCache:
         mask = (keys_at[None, None, :] < lengths[:, None, None]).repeat(1, width, 1)  # [b, T, S']
         mask[tuple(torch.tensor(seen, device=device).T)] = True
         positions = torch.tensor(places, device=device)  # [b, T]
-        return Feed(list(rows), starts, span, index, end, mask[:, None], positions, causal=False)
+        return Feed(list(rows), starts, span, index, end, positions, mask[:, None])
 
     def _rows(self, rows: list[int]) -> tuple[slice | None, Tensor | None, Tensor]:
         """``rows`` as a slice (when contiguous) or an index [b], and their lengths [b]."""
@@ -530,7 +542,8 @@ class LeanBackend:
             raise ValueError("append needs at least one token")
         for row in rows:
             self.trees[row] = PendingTree()
-        rooms = [self.context_length - self.length_of(row) for row in rows]
+        cached = self.cache.lengths.tolist()
+        rooms = [self.context_length - cached[row] for row in rows]
         groups = _forward_groups([len(ids) for ids in token_lists], rooms)
         out: list[Tensor | None] = [None] * len(token_lists)
         for group in groups:
@@ -542,32 +555,33 @@ class LeanBackend:
 
     def _forward_padded(self, lists, rows, last_only, keep) -> list[Tensor]:
         """One forward of right-padded token lists over ``rows``."""
-        width = max(len(ids) for ids in lists)
-        device = self.cache.lengths.device
-        counts = torch.tensor([len(ids) for ids in lists], device=device)  # [b]
+        lengths = [len(ids) for ids in lists]
+        width = max(lengths)
         feed = self.cache.begin(width, rows)
         x = self.model.hidden(self._padded(lists, width), self.cache, feed)  # [b, T, E]
-        self.cache.advance(feed, counts)
-        lengths = counts.tolist()
+        even = min(lengths) == width  # no padding (a decode step): one count for every row
+        device = self.cache.lengths.device
+        self.cache.advance(feed, width if even else torch.tensor(lengths, device=device))
         return self._last_logits(x, lengths, [1 if last_only else keep or n for n in lengths])
 
     def _padded(self, lists: list[list[int]], width: int) -> Tensor:
         """The token lists right-padded with zeros to ``width``: [b, T] on the cache's device."""
-        padded = torch.zeros(len(lists), width, dtype=torch.long)
-        for i, ids in enumerate(lists):
-            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        return padded.to(self.cache.lengths.device)
+        padded = [[*ids, *[0] * (width - len(ids))] for ids in lists]
+        return torch.tensor(padded, dtype=torch.long, device=self.cache.lengths.device)
 
     def _last_logits(self, x: Tensor, lengths: list[int], sizes: list[int]) -> list[Tensor]:
         """Float32 logits of the last ``sizes[i]`` of the ``lengths[i]`` real tokens of each
         row of hidden states x [b, T, E]: b x [sizes[i], V]."""
         width = x.shape[1]
-        at = [  # flat positions of each row's last ``size`` real tokens
-            i * width + n - size + j
-            for i, (n, size) in enumerate(zip(lengths, sizes, strict=True))
-            for j in range(size)
-        ]
-        picked = x.reshape(-1, x.shape[-1])[torch.tensor(at, device=x.device)]  # [N, E]
+        if min(lengths) == width and min(sizes) == max(sizes):  # unpadded, one size: a slice
+            picked = x[:, width - sizes[0] :].reshape(-1, x.shape[-1])  # [N, E]
+        else:
+            at = [  # flat positions of each row's last ``size`` real tokens
+                i * width + n - size + j
+                for i, (n, size) in enumerate(zip(lengths, sizes, strict=True))
+                for j in range(size)
+            ]
+            picked = x.reshape(-1, x.shape[-1])[torch.tensor(at, device=x.device)]  # [N, E]
         return list(self.model.logits(picked).split(sizes))  # b x [T_i, V]
 
     def append_tree(
