@@ -842,3 +842,38 @@ def test_decode_many_leaves_k_to_the_engines_policy() -> None:
     assert [r.stats.drafted for r in engine.decode_many(requests)] == [0, 0]
     fixed = engine.decode_many(requests, spec=spec_of(SpS(), 4))
     assert all(r.stats.drafted >= r.stats.iterations for r in fixed)
+
+
+class _StopsAtTwo(SpeculationPolicy):
+    """A policy whose single-stream stop ends every chain at two drafts, counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__(max_draft_tokens=8)
+        self.asked = 0
+
+    def keep_drafting(self, confidences) -> bool:
+        self.asked += 1
+        return len(confidences) < 2
+
+
+def test_a_lone_row_of_a_batch_stops_its_chain_as_a_single_stream_does() -> None:
+    """``decode_many`` (the server's scheduler) with one row that leaves K open ends its chain
+    where the single stream's stop says (here at two drafts, where the K chosen is 8); rows
+    decoding together draft the K chosen for the batch (the control: past two drafts; the
+    stop is asked only once a row is left alone)."""
+    target = make_tiny_lm(seed=3)
+    policy = _StopsAtTwo()
+    cheap = policy_with(0.001, {n: 0.050 for n in range(1, 19)})  # drafting pays: K = 8
+    policy.draft, policy.verify = cheap.draft, cheap.verify
+    policy.pool_accepted, policy.pool_reached = cheap.pool_accepted, cheap.pool_reached
+    engine = SpeculativeDecoder(
+        target, noisy_copy(target, 0.2, 1), spec_of(SpS(), None), max_batch=2, policy=policy
+    )
+    requests = [
+        Request(prompt_ids=[5, 17, 3 + i], max_new_tokens=24, seed=i, ignore_eos=True)
+        for i in range(2)
+    ]
+    (alone,) = engine.decode_many(requests[:1])
+    assert policy.asked > 0 and 0 < alone.stats.drafted <= 2 * alone.stats.iterations
+    together = engine.decode_many(requests)
+    assert any(r.stats.drafted > 2 * r.stats.iterations for r in together)

@@ -47,9 +47,9 @@ class Recorded(SpeculativeDecoder):
             self.while_reading.pop()()
         return read
 
-    def step(self, generations, num_draft_tokens):
+    def step(self, generations, num_draft_tokens, keep_drafting=None):
         self.log.append(("step", [g.row for g in generations]))
-        timing = super().step(generations, num_draft_tokens)
+        timing = super().step(generations, num_draft_tokens, keep_drafting)
         self.timings.append(timing)
         return timing
 

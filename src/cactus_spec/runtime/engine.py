@@ -352,7 +352,7 @@ class SpeculativeDecoder:
             self.step([generation], [self.draft_tokens(spec)])
             return
         (k,) = policy.choose([generation], self.behind([generation]))
-        timing = self.step([generation], [k], [policy.keep_drafting])
+        timing = self.step([generation], [k], policy.stopping([generation]))
         policy.observe(timing)
 
     def own_policy(self) -> SpeculationPolicy | None:

@@ -13,7 +13,7 @@ from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.runtime.generation import Generation, Request
 from cactus_spec.runtime.grammar import Grammar
 from cactus_spec.runtime.policy import SpeculationPolicy
-from cactus_spec.runtime.stepper import StepTiming
+from cactus_spec.runtime.stepper import StepTiming, Stopping
 
 __all__ = ["Rows", "ServingEngine"]
 
@@ -37,10 +37,13 @@ class Rows(Protocol):
         """Read up to ``budget`` unread prompt tokens of the generations, in their order."""
 
     def step(
-        self, generations: Sequence[Generation], num_draft_tokens: Sequence[int]
+        self,
+        generations: Sequence[Generation],
+        num_draft_tokens: Sequence[int],
+        keep_drafting: Sequence[Stopping | None] | None = None,
     ) -> StepTiming:
         """One iteration over the generations, drafting up to ``num_draft_tokens[i]`` tokens
-        for the i-th."""
+        for the i-th, fewer where ``keep_drafting[i]`` stops it."""
 
     def behind(self, generations: Sequence[Generation]) -> list[int]:
         """Tokens the drafter would read for each generation before drafting."""

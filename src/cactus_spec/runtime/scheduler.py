@@ -234,7 +234,8 @@ class Scheduler(Generic[Engine]):
         behind = self.engine.behind(generations + joining) if self.policy is not None else []
         ks = self._num_draft_tokens(generations, joining, behind)
         ks = self._catch_up(generations, ks, behind)
-        timing = self.engine.step(generations, ks)
+        stops = self.policy.stopping(generations + joining) if self.policy is not None else None
+        timing = self.engine.step(generations, ks, stops)
         self._last_step = timing
         if self.policy is not None:
             self.policy.observe(timing)
