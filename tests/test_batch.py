@@ -177,8 +177,11 @@ def test_expected_tokens_sums_the_chances_of_reaching_each_draft() -> None:
     assert expected_tokens([0.9, 1.0, 1.0], 3) == pytest.approx(1 + 3 * 0.9)  # a stretch
 
 
-def policy_with(draft_step: float, verify: dict[int, float]) -> SpeculationPolicy:
-    policy = SpeculationPolicy(max_draft_tokens=8)
+def policy_with(
+    draft_step: float, verify: dict[int, float], policy: SpeculationPolicy | None = None
+) -> SpeculationPolicy:
+    """``policy`` (a new one for K up to 8 by default) with these costs and a pool rate of 0.8."""
+    policy = SpeculationPolicy(max_draft_tokens=8) if policy is None else policy
     policy.draft.observe(1, draft_step)
     policy.draft.observe(16, draft_step)
     for size, seconds in verify.items():
@@ -862,18 +865,19 @@ def test_a_lone_row_of_a_batch_stops_its_chain_as_a_single_stream_does() -> None
     decoding together draft the K chosen for the batch (the control: past two drafts; the
     stop is asked only once a row is left alone)."""
     target = make_tiny_lm(seed=3)
-    policy = _StopsAtTwo()
-    cheap = policy_with(0.001, {n: 0.050 for n in range(1, 19)})  # drafting pays: K = 8
-    policy.draft, policy.verify = cheap.draft, cheap.verify
-    policy.pool_accepted, policy.pool_reached = cheap.pool_accepted, cheap.pool_reached
-    engine = SpeculativeDecoder(
-        target, noisy_copy(target, 0.2, 1), spec_of(SpS(), None), max_batch=2, policy=policy
-    )
-    requests = [
-        Request(prompt_ids=[5, 17, 3 + i], max_new_tokens=24, seed=i, ignore_eos=True)
-        for i in range(2)
-    ]
-    (alone,) = engine.decode_many(requests[:1])
+
+    def decoded(count: int) -> tuple[_StopsAtTwo, list]:
+        policy = policy_with(0.001, {n: 0.050 for n in range(1, 19)}, _StopsAtTwo())  # K = 8
+        engine = SpeculativeDecoder(
+            target, noisy_copy(target, 0.2, 1), spec_of(SpS(), None), max_batch=2, policy=policy
+        )
+        requests = [
+            Request(prompt_ids=[5, 17, 3 + i], max_new_tokens=24, seed=i, ignore_eos=True)
+            for i in range(count)
+        ]
+        return policy, engine.decode_many(requests)
+
+    policy, (alone,) = decoded(1)
     assert policy.asked > 0 and 0 < alone.stats.drafted <= 2 * alone.stats.iterations
-    together = engine.decode_many(requests)
+    _, together = decoded(2)
     assert any(r.stats.drafted > 2 * r.stats.iterations for r in together)
