@@ -186,7 +186,7 @@ def policy_with(
     policy.draft.observe(16, draft_step)
     for size, seconds in verify.items():
         policy.verify.observe(size, seconds)
-    policy.pool_accepted, policy.pool_reached = [80.0] * 8, [100.0] * 8  # 0.8 per position
+    policy.overall.accepted, policy.overall.reached = [80.0] * 8, [100.0] * 8  # 0.8 per position
     return policy
 
 
@@ -264,7 +264,7 @@ def test_the_policy_counts_the_host_work_each_verified_token_brings() -> None:
     forward = {8: 0.090, 16: 0.100, 48: 0.140, 88: 0.180}
     control, policy = policy_with(0.004, forward), policy_with(0.004, forward)
     for chosen in (control, policy):
-        chosen.pool_accepted = [50.0] * 8  # 1/2 per position
+        chosen.overall.accepted = [50.0] * 8  # 1/2 per position
     assert control.choose(rows, [0] * 8)[0] > 0
     for tokens in (8, 88):
         timing = StepTiming(8, 0, 0.0, tokens, forward[tokens], 8, host_s=0.006 * tokens)
@@ -430,7 +430,7 @@ def four_rows_at(acceptance: float) -> tuple[SpeculationPolicy, list[Generation]
     four fresh rows with 96 tokens to go."""
     d = decoder(4)
     policy = SpeculationPolicy(max_draft_tokens=8)
-    policy.pool_accepted, policy.pool_reached = [1000 * acceptance] * 8, [1000.0] * 8
+    policy.overall.accepted, policy.overall.reached = [1000 * acceptance] * 8, [1000.0] * 8
     rows = [generation(d, [1, 2, 3], spec_of(Cactus(1.0), None), 96) for _ in range(4)]
     return policy, rows
 
@@ -570,7 +570,7 @@ def test_an_answers_opening_is_learned_apart_from_the_rows_chances() -> None:
         for _ in range(4):
             done.stats.record(10, 8, 9)
         policy.learn_acceptance(done)
-    pooled = policy.pool_chances()
+    pooled = policy.pool_chances(key=done.acceptance_key)
     fresh = generation(d, [1, 2, 3], spec_of(SpS(), None))
     assert fresh.reading  # joins the batch at the pool's chances, not its opening's
     assert policy.chances(fresh) == pytest.approx(pooled)
@@ -590,14 +590,14 @@ def test_rows_still_decoding_teach_the_pool() -> None:
     The control: the pool over the finished generations alone, none, is the prior."""
     d = decoder(1)
     policy = policy_with(0.010, {1: 0.050, 8: 0.055, 32: 0.110, 88: 0.300})
-    policy.pool_accepted, policy.pool_reached = [0.0] * 8, [0.0] * 8  # none finished
+    policy.overall.accepted, policy.overall.reached = [0.0] * 8, [0.0] * 8  # none finished
     policy.judged = 100  # past its probe
     rows = [generation(d, [1, 2, 3], spec_of(SpS(), None)) for _ in range(8)]
     for g in rows:
         for _ in range(5):
             g.stats.record(3, 3, 4)
     assert policy.pool_chances() == pytest.approx([0.5] * 8)
-    live = policy.pool_chances(rows)
+    live = policy.pool_chances(rows, rows[0].acceptance_key)
     assert min(live) > 0.9  # 32 drafts kept of 32 at positions 1-3; 4 on takes position 3's
     g = rows[0]  # 4 counts a position of its own, shrunk towards the pool's 4
     assert expected_tokens(policy.chances(g, policy.pool_chances()), 3) < 3.1
@@ -658,7 +658,7 @@ def test_a_probe_drafts_only_where_drafting_could_pay() -> None:
     assert fresh.probing()
     assert fresh.choose(rows, [0] * 16) == [0] * 16
     assert fresh.choose(rows[:1], [158]) == [10]
-    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
+    fresh.overall.accepted, fresh.overall.reached = [980.0] * 10, [1000.0] * 10  # past its probe
     assert not fresh.probing()
     assert fresh.choose(rows[:1], [158]) == [0]
     assert fresh.choose(rows[:1], [0]) != [0]
@@ -685,7 +685,7 @@ def test_a_forecast_counts_only_the_drafts_a_rows_budget_can_use() -> None:
     tokens grow with K beyond 2."""
     d = decoder(1)
     policy = fresh_policy(AVX2_VERIFY, AVX2_DRAFT, catch_up_token_s=0.0)
-    policy.pool_accepted, policy.pool_reached = [900.0] * 10, [1000.0] * 10  # past its probe
+    policy.overall.accepted, policy.overall.reached = [900.0] * 10, [1000.0] * 10  # past its probe
     near, far = (generation(d, [1, 2, 3], spec_of(SpS(), None), max_new_tokens=96) for _ in "ab")
     near.context.extend([7] * 93)  # what it emitted: 3 tokens left
     forecast = policy.forecast([near, far], [0, 0])
@@ -726,7 +726,7 @@ def test_a_probe_drafts_on_as_many_rows_as_pays() -> None:
     assert ks[lags.index(max(lags))] == 0
     fresh.catch_up_token_s = 0.050
     assert fresh.choose([*rows, fixed], [*lags, 0]) == [0] * 8 + [3]
-    fresh.pool_accepted, fresh.pool_reached = [980.0] * 10, [1000.0] * 10  # past its probe
+    fresh.overall.accepted, fresh.overall.reached = [980.0] * 10, [1000.0] * 10  # past its probe
     fresh.verify.observe(12, 0.058)  # plain decoding's batch (8 + 3 + 1 tokens), read
     ks = fresh.choose([*rows, fixed], [0] * 9)
     assert not fresh.probing() and len(set(ks[:8])) == 1 and ks[0] > 0
@@ -797,7 +797,7 @@ def _taught(policy: SpeculationPolicy, confidence: float, kept_share: float) -> 
 def test_a_single_stream_stops_drafting_where_the_drafts_confidence_says_it_would_not_pay() -> None:
     policy = policy_with(0.010, {1: 0.050, 2: 0.050, 16: 0.060})  # drafts dear, blocks cheap
     _taught(policy, 0.995, 0.99)  # confident drafts are kept
-    policy.bin_reached[0] += 100  # unsure drafts (p < 0.2) are rejected
+    policy.overall.bin_reached[0] += 100  # unsure drafts (p < 0.2) are rejected
     assert policy.accept_chance(0.995) > 0.95 and policy.accept_chance(0.05) < 0.1
     assert policy.keep_drafting([0.995] * 5)
     assert not policy.keep_drafting([0.995, 0.05])  # the chain is unlikely to survive
@@ -824,7 +824,7 @@ def test_generate_with_k_left_open_keeps_the_verifiers_greedy_tokens() -> None:
     ar = SpeculativeDecoder(target, spec=AR)
     prompt = [5, 17, 3, 99, 42]
     assert open_k.generate(prompt, 30, 0.0).token_ids == ar.generate(prompt, 30, 0.0).token_ids
-    assert sum(pays.bin_reached) > 0  # it drafted, and learned from the outcomes
+    assert sum(pays.overall.bin_reached) > 0  # it drafted, and learned from the outcomes
 
 
 def test_decode_many_leaves_k_to_the_engines_policy() -> None:
@@ -854,7 +854,7 @@ class _StopsAtTwo(SpeculationPolicy):
         super().__init__(max_draft_tokens=8)
         self.asked = 0
 
-    def keep_drafting(self, confidences) -> bool:
+    def keep_drafting(self, confidences, key=None) -> bool:
         self.asked += 1
         return len(confidences) < 2
 
@@ -881,3 +881,52 @@ def test_a_lone_row_of_a_batch_stops_its_chain_as_a_single_stream_does() -> None
     assert policy.asked > 0 and 0 < alone.stats.drafted <= 2 * alone.stats.iterations
     _, together = decoded(2)
     assert any(r.stats.drafted > 2 * r.stats.iterations for r in together)
+
+
+def _answered(d: SpeculativeDecoder, spec: DecodeSpec, kept: int) -> Generation:
+    """A finished answer of ``spec``: an opening that kept all 8 drafts, then ten iterations
+    that kept ``kept`` of 8."""
+    done = generation(d, [1, 2, 3], spec)
+    done.stats.record(8, 8, 9)
+    for _ in range(10):
+        done.stats.record(8, kept, kept + 1)
+    return done
+
+
+def test_the_policy_learns_acceptance_per_rule_so_one_rules_verdicts_do_not_sink_anothers() -> None:
+    """A server that mixes rules: twenty SpS answers kept 2 drafts of 8 an iteration, five
+    Cactus answers all 8. A Cactus row past its opening drafts at Cactus's chances (K = 8),
+    an SpS row at SpS's; within an iteration a lone row's stop reads its own rule's verdicts
+    at the draft's confidence. The control: the same answers counted as one rule's pull the
+    Cactus row's chances to the mix, and it drafts less."""
+    d = decoder(1)
+    sps, cactus = spec_of(SpS(), None), spec_of(Cactus(1.0), None)
+
+    def taught(pooled: bool) -> SpeculationPolicy:
+        policy = policy_with(0.008, {1: 0.050, 2: 0.051, 9: 0.062, 16: 0.074})
+        for spec, kept, answers in ((sps, 2, 20), (cactus, 8, 5)):
+            for _ in range(answers):
+                done = _answered(d, spec, kept)
+                if pooled:
+                    done.acceptance_key = generation(d, [1], cactus).acceptance_key
+                policy.learn_acceptance(done)
+        return policy
+
+    def row(spec: DecodeSpec) -> Generation:
+        g = generation(d, [1, 2, 3], spec)
+        g.stats.record(8, 8, 9)  # its opening: its chances are its rule's pool's
+        return g
+
+    policy, pooled = taught(pooled=False), taught(pooled=True)
+    assert min(policy.chances(row(cactus))) > 0.95
+    assert policy.choose([row(cactus)], [0]) == [8]
+    assert policy.choose([row(sps)], [0])[0] < 4
+    assert pooled.choose([row(cactus)], [0])[0] < 8  # the control
+    for key, kept in ((row(sps).acceptance_key, 30), (row(cactus).acceptance_key, 99)):
+        verdicts = (1,) * kept + (0,) * (100 - kept)  # a hundred one-draft chains at p = 0.9
+        policy.observe(StepTiming(100, 1, 0.01, 200, 0.3, 100 + kept, 0, ((0.9,),) * 100,
+                                  verdicts, 0.0, (key,) * 100))  # fmt: skip
+    assert policy.accept_chance(0.9, row(cactus).acceptance_key) > 0.95
+    assert policy.accept_chance(0.9, row(sps).acceptance_key) < 0.4
+    (stop,) = policy.stopping([row(cactus)])
+    assert stop([0.9] * 3) and not policy.stopping([row(sps)])[0]([0.9] * 3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -233,6 +233,10 @@ class Generation:
         self.verification: Verification = verification_of(
             self.spec, self.sampling, request.max_new_tokens
         )
+        # what its drafts' acceptance depends on, so rows of one key share what the policy
+        # learns of it: its spec but K (rows at a fixed K and those that leave it open alike),
+        # and its sampling
+        self.acceptance_key = (replace(self.spec, num_draft_tokens=None), self.sampling)
         self.eos = eos_ids
         self.tokenizer = tokenizer
         self.token_logprobs: list[TokenLogprob] = []

@@ -7,7 +7,7 @@ it, with chance a_bj. Drafting K tokens for each row yields in expectation
 
 K_b = min(K, the drafts row b's budget can still use: ``Generation.draft_budget``; a row 3
 tokens from its end drafts 2 whatever K); a row that fixed its own K counts its own K's
-tokens at the pool's chances, and a row at K = 0 one: the batch's tokens, not only the
+tokens at its key's pool's chances, and a row at K = 0 one: the batch's tokens, not only the
 drafting rows'. The chances are estimated per
 position, because acceptance runs in stretches: where rejections fall mostly on an
 iteration's first drafts, one rate for all positions, held down by them, undervalues the
@@ -22,7 +22,15 @@ sentence), and one such rejection, counted as the row's, would sink its level at
 position and stop it drafting for good. A row that has read its prompt and not iterated yet
 takes the openings' pool, o_j = (A°_j + P r_j) / (R°_j + P) over the finished generations'
 first iterations; every later iteration's counts (the row's, the pool's r_j) leave the
-opening out. A row still reading its prompt takes the pool's r_j: it counts in the batch the
+opening out. The pools are kept per acceptance key (``Generation.acceptance_key``: the row's
+rule, drafter, verification and sampling, K aside) and over every row: a key's r_j, o_j and
+confidence rates are its own counts shrunk towards every row's the same way (a key not seen
+yet takes every row's), and a row shrinks towards its key's. Acceptance is a property of the
+rule: the default pair keeps 0.96 of Cactus(1)'s drafts and 0.85-0.91 of SpS's, and where
+one server serves both, one pool pulled each Cactus row's chances towards SpS's and kept its
+chains short (a Cactus row leaving K open decoded 6-11% below Cactus at K = 10 in servers
+that served both, level with it where only Cactus was served). A row still reading its
+prompt takes the pool's r_j: it counts in the batch the
 policy chooses for (the scheduler asks for the batch forming) but not in the iteration
 chosen, and joins the batch's later iterations at their chances. At its openings' (a first
 draft kept about 0.3 of the time in HumanEval chats' openings, 0.95 later), eight requests sent
@@ -138,9 +146,10 @@ none where they are dear.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -265,6 +274,87 @@ def expected_tokens(chances: Sequence[float], k: int) -> float:
     return total
 
 
+class Acceptance:
+    """What the verifier judged of one key's drafts (``Generation.acceptance_key``), or of
+    every row's: drafts kept and reached by position, of the finished generations' first
+    iterations (``open_*``) and of the rest, and by the draft's confidence (``bin_*``, of
+    every verified draft)."""
+
+    def __init__(self, positions: int) -> None:
+        self.accepted = [0.0] * positions  # drafts kept, by position, openings left out,
+        self.reached = [0.0] * positions  # and reached
+        self.open_accepted = [0.0] * positions  # the same of the openings
+        self.open_reached = [0.0] * positions
+        bins = len(_CONFIDENCE_EDGES) + 1
+        self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
+        self.bin_reached = [0.0] * bins  # drafts verified (every draft before them kept)
+
+    def learn(self, g: Generation) -> None:
+        """Fold a finished generation's drafts kept and reached, by position, in: its first
+        iteration's into the openings', the others' into the rest."""
+        kept, reached = _after_opening(g)
+        opened, opened_kept = g.stats.opening
+        for j in range(min(len(reached), len(self.reached))):
+            self.accepted[j] += kept[j]
+            self.reached[j] += reached[j]
+            self.open_accepted[j] += j < opened_kept
+            self.open_reached[j] += j < opened
+
+    def learn_confidences(self, confidences: Sequence[float], kept: int) -> None:
+        """Count each verified draft of one row's chain (every one before it kept) in its
+        confidence's bin."""
+        for position, confidence in enumerate(confidences[: kept + 1]):
+            b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
+            self.bin_reached[b] += 1
+            self.bin_accepted[b] += float(position < kept)
+
+    def chances(self, prior: Sequence[float], live: Sequence[Generation] = ()) -> list[float]:
+        """Its counts and the ``live`` generations', by position, shrunk along ``prior``
+        (``_along``)."""
+        kept, reached = list(self.accepted), list(self.reached)
+        for g in live:
+            row_kept, row_reached = _after_opening(g)
+            for j in range(min(len(row_reached), len(reached))):
+                kept[j] += row_kept[j]
+                reached[j] += row_reached[j]
+        return _along(kept, reached, prior)
+
+    def openings(self, prior: Sequence[float]) -> list[float]:
+        """The openings' chances by position, each shrunk towards ``prior``'s."""
+        pairs = zip(self.open_accepted, self.open_reached, prior, strict=True)
+        return [_shrunk(a, n, r) for a, n, r in pairs]
+
+    def rate(self, prior: float) -> float:
+        """Its rate over every position, shrunk towards ``prior``."""
+        return _shrunk(sum(self.accepted), sum(self.reached), prior)
+
+    def bin_chance(self, confidence: float, prior: float) -> float:
+        """The rate of the bin of ``confidence``, shrunk towards ``prior``."""
+        b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
+        return _shrunk(self.bin_accepted[b], self.bin_reached[b], prior)
+
+
+def _shrunk(accepted: float, reached: float, prior: float) -> float:
+    """A rate of ``accepted`` in ``reached`` with ``_PRIOR_POSITIONS`` pseudo-counts of
+    ``prior``."""
+    return (accepted + _PRIOR_POSITIONS * prior) / (reached + _PRIOR_POSITIONS)
+
+
+def _along(kept: Sequence[float], reached: Sequence[float], pool: Sequence[float]) -> list[float]:
+    """Chances by position from counts ``kept`` and ``reached`` (shorter than ``pool``: a
+    position not reached counts none), each shrunk towards m_j = a_(j-1) r_j / r_(j-1), the
+    chance found at the position before times ``pool``'s change along the chain (m_1 = r_1;
+    a pool of 1/2 everywhere: the position before's chance)."""
+    chances, before, level = [], _FIRST_PRIOR, _FIRST_PRIOR
+    for j, r in enumerate(pool):
+        prior = min(1.0, level * r / before)
+        own_kept, own_reached = (kept[j], reached[j]) if j < len(reached) else (0.0, 0.0)
+        level = _shrunk(own_kept, own_reached, prior)
+        chances.append(level)
+        before = r
+    return chances
+
+
 class SpeculationPolicy:
     """Picks K per iteration for the generations that leave it to the policy (see the module
     docstring); ``max_draft_tokens`` bounds it."""
@@ -275,18 +365,13 @@ class SpeculationPolicy:
         self.draft = CostTable(self.pace)  # one draft step, by rows
         self.verify = CostTable(self.pace, _SIZE_RATE)  # one verifier forward, by tokens
         self.host = CostTable(self.pace)  # the rest of an iteration, by tokens verified
-        self.pool_accepted = [0.0] * max_draft_tokens  # finished generations' drafts kept,
-        self.pool_reached = [0.0] * max_draft_tokens  # and reached, by position
-        self.open_accepted = [0.0] * max_draft_tokens  # the same of their first iterations
-        self.open_reached = [0.0] * max_draft_tokens
+        self.overall = Acceptance(max_draft_tokens)  # every row's drafts,
+        self.by_key: dict[Hashable, Acceptance] = {}  # and each acceptance key's
         self.judged = 0  # drafted tokens (chain positions or tree nodes) the verifier judged
         self.prompts_read = 0.0  # H_L: recent generations' prompt tokens a drafter reads,
         self.answered = 0.0  # H_A: the tokens they emitted,
         self.finished = 0.0  # and how many they were (each sum decayed, _READ_WINDOW)
         self._catch_up_token = 0.0  # a model drafter reading one token it skipped, at pace 1
-        bins = len(_CONFIDENCE_EDGES) + 1
-        self.bin_accepted = [0.0] * bins  # drafts accepted, by the draft's confidence
-        self.bin_reached = [0.0] * bins  # drafts verified (every draft before them kept)
 
     @property
     def catch_up_token_s(self) -> float:
@@ -297,39 +382,33 @@ class SpeculationPolicy:
     def catch_up_token_s(self, seconds: float) -> None:
         self._catch_up_token = seconds / self.pace.factor
 
-    def pool_chances(self, live: Sequence[Generation] = ()) -> list[float]:
+    def pool_chances(self, live: Sequence[Generation] = (), key: Hashable = None) -> list[float]:
         """r_1..r_Kmax: the pool's chance of keeping the j-th draft once every draft before it
-        was kept, each position shrunk towards the one before it (the module docstring), over
-        the generations that finished and the ``live`` ones, still decoding."""
-        pooled_kept, pooled_reached = list(self.pool_accepted), list(self.pool_reached)
-        for g in live:
-            kept, reached = _after_opening(g)
-            for j in range(min(len(reached), self.max_draft_tokens)):
-                pooled_kept[j] += kept[j]
-                pooled_reached[j] += reached[j]
-        chances, prior = [], _FIRST_PRIOR
-        for accepted, judged in zip(pooled_kept, pooled_reached, strict=True):
-            prior = (accepted + _PRIOR_POSITIONS * prior) / (judged + _PRIOR_POSITIONS)
-            chances.append(prior)
-        return chances
+        was kept, each position shrunk towards the one before it, over the generations that
+        finished and the ``live`` ones, still decoding; with a ``key``, that key's pool,
+        shrunk towards every row's (the module docstring)."""
+        overall = self.overall.chances([_FIRST_PRIOR] * self.max_draft_tokens, live)
+        mine = [g for g in live if g.acceptance_key == key]
+        if key not in self.by_key and not mine:
+            return overall
+        return self.by_key.get(key, Acceptance(self.max_draft_tokens)).chances(overall, mine)
 
     def chances(self, g: Generation, pool: Sequence[float] | None = None) -> list[float]:
         """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the pool's r_j while it
         reads its prompt), or between its prompt's read and its first iteration the openings'
-        o_j (the module docstring); ``pool``: ``pool_chances()``, when the caller has it."""
-        pool = self.pool_chances() if pool is None else pool
+        o_j (the module docstring); ``pool``: its key's ``pool_chances``, when the caller has
+        it."""
+        key = g.acceptance_key
+        pool = self.pool_chances((), key) if pool is None else pool
         if g.stats.iterations == 0 and not g.reading and not any(g.stats.reached_by_position):
-            pairs = zip(self.open_accepted, self.open_reached, pool, strict=True)
-            return [(a + _PRIOR_POSITIONS * r) / (n + _PRIOR_POSITIONS) for a, n, r in pairs]
-        kept, reached = _after_opening(g)
-        chances, before, level = [], _FIRST_PRIOR, _FIRST_PRIOR
-        for j, r in enumerate(pool):
-            prior = min(1.0, level * r / before)
-            own_kept, own_reached = (kept[j], reached[j]) if j < len(reached) else (0, 0)
-            level = (own_kept + _PRIOR_POSITIONS * prior) / (own_reached + _PRIOR_POSITIONS)
-            chances.append(level)
-            before = r
-        return chances
+            openings = self.overall.openings(pool)
+            return self.by_key[key].openings(openings) if key in self.by_key else openings
+        return _along(*_after_opening(g), pool)
+
+    def _pools(self, generations: Sequence[Generation]) -> dict[Hashable, list[float]]:
+        """Each of the ``generations``' keys' ``pool_chances``, over them all."""
+        keys = {g.acceptance_key for g in generations}
+        return {key: self.pool_chances(generations, key) for key in keys}
 
     def choose(self, generations: Sequence[Generation], behind: Sequence[int]) -> list[int]:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
@@ -369,13 +448,13 @@ class SpeculationPolicy:
         if not self.verify.sizes:
             return [i == order[0] for i in range(len(generations))], full
         probes, best, best_rate = [False] * len(generations), 0, 0.0
-        pool, certain = self.pool_chances(generations), [1.0] * self.max_draft_tokens
+        pools, certain = self._pools(generations), [1.0] * self.max_draft_tokens
         for p in range(1, len(order) + 1):
             chosen = set(order[:p])
             auto = [generations[i] for i in order[:p]]
             lags = [0, *(behind[i] for i in order[1:p])]
             rest = [g for i, g in enumerate(generations) if i not in chosen]
-            forecast = self._forecast(auto, [certain] * p, lags, rest, pool)
+            forecast = self._forecast(auto, [certain] * p, lags, rest, pools)
             k = _best_k(forecast)
             rate = forecast[k][0] / forecast[k][1]
             if k > 0 and rate > best_rate:
@@ -392,8 +471,9 @@ class SpeculationPolicy:
         auto = [g for g in generations if g.spec.auto_k]
         lags = [n for g, n in zip(generations, behind, strict=True) if g.spec.auto_k]
         fixed = [g for g in generations if not g.spec.auto_k]
-        pool = self.pool_chances(generations)
-        return self._forecast(auto, [self.chances(g, pool) for g in auto], lags, fixed, pool)
+        pools = self._pools(generations)
+        chances = [self.chances(g, pools[g.acceptance_key]) for g in auto]
+        return self._forecast(auto, chances, lags, fixed, pools)
 
     def _forecast(
         self,
@@ -401,11 +481,11 @@ class SpeculationPolicy:
         chances: list[list[float]],
         lags: list[int],
         fixed: list[Generation],
-        pool: Sequence[float],
+        pools: dict[Hashable, list[float]],
     ) -> list[tuple[float, float]]:
         widths = [g.verification.branches for g in auto]
         fixed_tokens = _plain_tokens(fixed)
-        fixed_emitted = sum(expected_tokens(pool, _budget(g)) for g in fixed)
+        fixed_emitted = sum(expected_tokens(pools[g.acceptance_key], _budget(g)) for g in fixed)
         fixed_drafts = [(g.verification.branches, _budget(g)) for g in fixed]
         read = self.catch_up_token_s * self.reads_per_token(auto, lags)  # c rho
 
@@ -446,38 +526,40 @@ class SpeculationPolicy:
         """Whether the policy has seen fewer than ``_PROBE_DRAFTS`` drafts judged by the
         verifier (those of every iteration it observed, or of the finished generations it
         learned from, whichever counts more)."""
-        return max(self.judged, sum(self.pool_reached)) < _PROBE_DRAFTS
+        return max(self.judged, sum(self.overall.reached)) < _PROBE_DRAFTS
 
-    def accept_chance(self, confidence: float) -> float:
+    def accept_chance(self, confidence: float, key: Hashable = None) -> float:
         """The chance a draft the draft model drew with probability ``confidence`` is
-        accepted: its bin's rate, shrunk towards the pool's."""
-        b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
-        pool = self._pool_rate()
-        return (self.bin_accepted[b] + _PRIOR_POSITIONS * pool) / (
-            self.bin_reached[b] + _PRIOR_POSITIONS
-        )
+        accepted: its bin's rate over every row, shrunk towards the pool's, and with a
+        ``key`` that key's bin rate, shrunk towards it."""
+        chance = self.overall.bin_chance(confidence, self._pool_rate())
+        if key not in self.by_key:
+            return chance
+        return self.by_key[key].bin_chance(confidence, chance)
 
     def stopping(self, generations: Sequence[Generation]) -> list[Stopping | None] | None:
-        """What ends each row's chain inside an iteration: ``keep_drafting`` for a single
-        stream (one row that leaves K open), nothing in a batch (the module docstring)."""
+        """What ends each row's chain inside an iteration: ``keep_drafting`` at the row's key
+        for a single stream (one row that leaves K open), nothing in a batch (the module
+        docstring)."""
         if len(generations) == 1 and generations[0].spec.auto_k:
-            return [self.keep_drafting]
+            return [functools.partial(self.keep_drafting, key=generations[0].acceptance_key)]
         return None
 
-    def keep_drafting(self, confidences: Sequence[float]) -> bool:
-        """Whether a single stream that drafted tokens with these ``confidences`` should
-        draft one more (the module docstring's rule; always while probing)."""
+    def keep_drafting(self, confidences: Sequence[float], key: Hashable = None) -> bool:
+        """Whether a single stream of acceptance ``key`` that drafted tokens with these
+        ``confidences`` should draft one more (the module docstring's rule; always while
+        probing)."""
         if self.probing():
             return True
         j = len(confidences)
         survival, expected = 1.0, 1.0
         for c in confidences:
-            survival *= self.accept_chance(c)
+            survival *= self.accept_chance(c, key)
             expected += survival
         t_draft = self.draft.estimate(1)
         cost = j * t_draft + self.block(j + 1)
         more = t_draft + self.block(j + 2) - self.block(j + 1)
-        nearest = self.accept_chance(confidences[-1]) if confidences else self._pool_rate()
+        nearest = self.accept_chance(confidences[-1], key) if confidences else self._pool_rate(key)
         gain = survival * nearest
         return cost <= 0 or gain * cost >= expected * more
 
@@ -486,10 +568,11 @@ class SpeculationPolicy:
         verifier's forward and the host's work on its rows."""
         return self.verify.estimate(tokens) + self.host.estimate(tokens)
 
-    def _pool_rate(self) -> float:
-        """The pool's rate over every position (the prior of the confidence bins)."""
-        accepted, reached = sum(self.pool_accepted), sum(self.pool_reached)
-        return (accepted + _PRIOR_POSITIONS * _FIRST_PRIOR) / (reached + _PRIOR_POSITIONS)
+    def _pool_rate(self, key: Hashable = None) -> float:
+        """The pool's rate over every position (the prior of the confidence bins), with a
+        ``key`` that key's, shrunk towards it."""
+        rate = self.overall.rate(_FIRST_PRIOR)
+        return self.by_key[key].rate(rate) if key in self.by_key else rate
 
     def observe(self, timing: StepTiming) -> None:
         """Fold one iteration's measured costs and its drafts' outcomes into the tables.
@@ -522,31 +605,33 @@ class SpeculationPolicy:
             self.catch_up_token_s += _EMA * (seconds / tokens - self.catch_up_token_s)
 
     def _learn_confidences(self, timing: StepTiming) -> None:
-        """Count each verified draft (every one before it kept) in its confidence's bin."""
-        for confidences, kept in zip(timing.confidences, timing.kept, strict=True):
-            for position, confidence in enumerate(confidences[: kept + 1]):
-                b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
-                self.bin_reached[b] += 1
-                self.bin_accepted[b] += float(position < kept)
+        """Count each verified draft (every one before it kept) in its confidence's bin, of
+        every row's and of its row's key (a timing that names no keys: every row's alone)."""
+        keys = timing.keys or (None,) * len(timing.kept)
+        for confidences, kept, key in zip(timing.confidences, timing.kept, keys, strict=True):
+            self.overall.learn_confidences(confidences, kept)
+            if key is not None:
+                self._of(key).learn_confidences(confidences, kept)
+
+    def _of(self, key: Hashable) -> Acceptance:
+        """The counts of acceptance ``key``, made empty at its first use."""
+        if key not in self.by_key:
+            self.by_key[key] = Acceptance(self.max_draft_tokens)
+        return self.by_key[key]
 
     def learn_acceptance(self, g: Generation) -> None:
-        """Fold a finished generation's drafts kept and reached, by position, into the pool's:
-        its first iteration's into the openings', the others' into the rest; and, where it
-        left K open, the prompt its drafter read (or would have, had it drafted) and its
-        answer's length into H_L and H_A."""
+        """Fold a finished generation's drafts kept and reached, by position, into the pool's
+        and its key's (``Acceptance.learn``); and, where it left K open, the prompt its
+        drafter read (or would have, had it drafted) and its answer's length into H_L and
+        H_A."""
         if g.spec.auto_k:
             keep = 1.0 - 1.0 / _READ_WINDOW
             read = g.prompt_len - g.stats.draft_cached_prompt_tokens
             self.prompts_read = keep * self.prompts_read + read
             self.answered = keep * self.answered + len(g.new_ids)
             self.finished = keep * self.finished + 1
-        kept, reached = _after_opening(g)
-        opened, opened_kept = g.stats.opening
-        for j in range(min(len(reached), self.max_draft_tokens)):
-            self.pool_accepted[j] += kept[j]
-            self.pool_reached[j] += reached[j]
-            self.open_accepted[j] += j < opened_kept
-            self.open_reached[j] += j < opened
+        self.overall.learn(g)
+        self._of(g.acceptance_key).learn(g)
 
     def calibrate(
         self,

@@ -40,7 +40,7 @@ estimate of the sequence-level KL(P_method || P_verifier).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +67,8 @@ class StepTiming:
     ``verified_tokens`` tokens in all, and ``host_s``, the rest of the iteration (processing
     the verifier's rows, judging, the meter, bookkeeping); and what it kept: per row, the
     draft's probability of each token it drafted (``confidences``; 1 for a deterministic
-    drafter) and how many of them were accepted (``kept``)."""
+    drafter), how many of them were accepted (``kept``) and the row's
+    ``Generation.acceptance_key`` (``keys``)."""
 
     rows: int
     draft_steps: int
@@ -79,6 +80,7 @@ class StepTiming:
     confidences: tuple[tuple[float, ...], ...] = ()
     kept: tuple[int, ...] = ()
     host_s: float = 0.0
+    keys: tuple[Hashable, ...] = ()
 
 
 class Stepper:
@@ -220,6 +222,7 @@ class Stepper:
             confidences,
             tuple(accepted_counts),
             max(0.0, host_s),
+            tuple(g.acceptance_key for g in generations),
         )
 
     def _propose(self, generations, num_draft_tokens, stops) -> tuple[list[Draft], int, float, int]:
