@@ -930,3 +930,23 @@ def test_the_policy_learns_acceptance_per_rule_so_one_rules_verdicts_do_not_sink
     assert policy.accept_chance(0.9, row(sps).acceptance_key) < 0.4
     (stop,) = policy.stopping([row(cactus)])
     assert stop([0.9] * 3) and not policy.stopping([row(sps)])[0]([0.9] * 3)
+
+
+def test_the_policy_keeps_the_acceptance_of_its_most_recently_taught_keys() -> None:
+    """Answers of 65 samplings (a server's clients may each send their own): the policy keeps
+    the counts of the 64 taught last, a key taught again counting as recent. The control:
+    the 64 are all kept."""
+    d = decoder(1)
+    policy = SpeculationPolicy(max_draft_tokens=8)
+
+    def teach(i: int) -> tuple:
+        done = generation(d, [1, 2, 3], spec_of(SpS(), None))
+        done.acceptance_key = (done.spec, SamplingConfig(temperature=1.0 + i / 100))
+        policy.learn_acceptance(done)
+        return done.acceptance_key
+
+    keys = [teach(i) for i in range(policy_module._KEYS)]
+    assert set(policy.by_key) == set(keys)  # the control
+    teach(0)  # taught again: the least recent is now the second
+    last = teach(policy_module._KEYS)
+    assert set(policy.by_key) == {*keys, last} - {keys[1]}

@@ -237,7 +237,9 @@ def test_nothing_waits_behind_a_long_prompts_read(weights: str) -> None:
     model = smollm_as(weights)
     refused, first, whole = waits_behind_a_long_prompt(model, CHUNK)
     chunk_s = whole * CHUNK / LONG  # the long request's read, per chunk
-    bound = 8 * chunk_s + 1.0  # the chunks a turn reads idle and one more, and a decode
+    # the turn being read (four chunks, idle) and the next, a third for a loaded moment (the
+    # full suite on 2 cores once took 8.2 chunks), and a decode: far below LONG / CHUNK = 47
+    bound = 12 * chunk_s + 1.0
     assert refused < bound and first < bound, (refused, first, chunk_s)
     refused, first_unchunked, whole = waits_behind_a_long_prompt(model, None)
     assert refused < bound < first_unchunked, (refused, first_unchunked, bound, whole)

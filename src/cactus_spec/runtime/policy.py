@@ -191,6 +191,9 @@ _FIRST_PRIOR = 0.5
 _PROBE_DRAFTS = 100
 #: Pseudo-positions of the pool's acceptance rate in a row's estimate.
 _PRIOR_POSITIONS = 4.0
+#: Acceptance keys a policy keeps counts of (a server whose clients each send their own
+#: sampling would otherwise keep one more a client, for good).
+_KEYS = 64
 #: Upper edges of the bins of a draft's probability of its own token (the last bin ends at 1).
 _CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
 
@@ -388,6 +391,13 @@ class SpeculationPolicy:
         finished and the ``live`` ones, still decoding; with a ``key``, that key's pool,
         shrunk towards every row's (the module docstring)."""
         overall = self.overall.chances([_FIRST_PRIOR] * self.max_draft_tokens, live)
+        return self._key_pool(overall, live, key)
+
+    def _key_pool(
+        self, overall: list[float], live: Sequence[Generation], key: Hashable
+    ) -> list[float]:
+        """``key``'s pool over its finished generations and its ``live`` ones, shrunk
+        towards every row's (``overall``)."""
         mine = [g for g in live if g.acceptance_key == key]
         if key not in self.by_key and not mine:
             return overall
@@ -407,8 +417,9 @@ class SpeculationPolicy:
 
     def _pools(self, generations: Sequence[Generation]) -> dict[Hashable, list[float]]:
         """Each of the ``generations``' keys' ``pool_chances``, over them all."""
+        overall = self.overall.chances([_FIRST_PRIOR] * self.max_draft_tokens, generations)
         keys = {g.acceptance_key for g in generations}
-        return {key: self.pool_chances(generations, key) for key in keys}
+        return {key: self._key_pool(overall, generations, key) for key in keys}
 
     def choose(self, generations: Sequence[Generation], behind: Sequence[int]) -> list[int]:
         """K for each generation: its own when it fixed one, 0 for autoregressive rows, else
@@ -614,10 +625,13 @@ class SpeculationPolicy:
                 self._of(key).learn_confidences(confidences, kept)
 
     def _of(self, key: Hashable) -> Acceptance:
-        """The counts of acceptance ``key``, made empty at its first use."""
-        if key not in self.by_key:
-            self.by_key[key] = Acceptance(self.max_draft_tokens)
-        return self.by_key[key]
+        """The counts of acceptance ``key``, made empty at its first use; of more than
+        ``_KEYS`` keys, the one taught least recently is forgotten."""
+        counts = self.by_key.pop(key, None) or Acceptance(self.max_draft_tokens)
+        self.by_key[key] = counts  # the keys in the order last taught
+        if len(self.by_key) > _KEYS:
+            del self.by_key[next(iter(self.by_key))]
+        return counts
 
     def learn_acceptance(self, g: Generation) -> None:
         """Fold a finished generation's drafts kept and reached, by position, into the pool's
