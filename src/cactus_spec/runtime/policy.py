@@ -617,11 +617,12 @@ class SpeculationPolicy:
 
     def _learn_confidences(self, timing: StepTiming) -> None:
         """Count each verified draft (every one before it kept) in its confidence's bin, of
-        every row's and of its row's key (a timing that names no keys: every row's alone)."""
+        every row's and of its row's key (a timing that names no keys: every row's alone); a
+        row that drafted nothing keeps no key."""
         keys = timing.keys or (None,) * len(timing.kept)
         for confidences, kept, key in zip(timing.confidences, timing.kept, keys, strict=True):
             self.overall.learn_confidences(confidences, kept)
-            if key is not None:
+            if key is not None and confidences:
                 self._of(key).learn_confidences(confidences, kept)
 
     def _of(self, key: Hashable) -> Acceptance:
@@ -634,18 +635,19 @@ class SpeculationPolicy:
         return counts
 
     def learn_acceptance(self, g: Generation) -> None:
-        """Fold a finished generation's drafts kept and reached, by position, into the pool's
-        and its key's (``Acceptance.learn``); and, where it left K open, the prompt its
-        drafter read (or would have, had it drafted) and its answer's length into H_L and
-        H_A."""
+        """Fold a drafting generation's drafts kept and reached, by position, into the pool's
+        and its key's (``Acceptance.learn``) once it finished; and, where it left K open, the
+        prompt its drafter read (or would have, had it drafted) and its answer's length into
+        H_L and H_A."""
         if g.spec.auto_k:
             keep = 1.0 - 1.0 / _READ_WINDOW
             read = g.prompt_len - g.stats.draft_cached_prompt_tokens
             self.prompts_read = keep * self.prompts_read + read
             self.answered = keep * self.answered + len(g.new_ids)
             self.finished = keep * self.finished + 1
-        self.overall.learn(g)
-        self._of(g.acceptance_key).learn(g)
+        if g.spec.drafts:
+            self.overall.learn(g)
+            self._of(g.acceptance_key).learn(g)
 
     def calibrate(
         self,
