@@ -307,7 +307,7 @@ class Acceptance:
         """Count each verified draft of one row's chain (every one before it kept) in its
         confidence's bin."""
         for position, confidence in enumerate(confidences[: kept + 1]):
-            b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
+            b = _bin(confidence)
             self.bin_reached[b] += 1
             self.bin_accepted[b] += float(position < kept)
 
@@ -331,10 +331,15 @@ class Acceptance:
         """Its rate over every position, shrunk towards ``prior``."""
         return _shrunk(sum(self.accepted), sum(self.reached), prior)
 
-    def bin_chance(self, confidence: float, prior: float) -> float:
-        """The rate of the bin of ``confidence``, shrunk towards ``prior``."""
-        b = bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
-        return _shrunk(self.bin_accepted[b], self.bin_reached[b], prior)
+    def bin_chances(self, priors: Sequence[float]) -> list[float]:
+        """Each confidence bin's rate, shrunk towards its ``priors``' entry."""
+        bins = zip(self.bin_accepted, self.bin_reached, priors, strict=True)
+        return [_shrunk(a, n, prior) for a, n, prior in bins]
+
+
+def _bin(confidence: float) -> int:
+    """The confidence bin of a draft the draft model drew with probability ``confidence``."""
+    return bisect.bisect_left(_CONFIDENCE_EDGES, confidence)
 
 
 def _shrunk(accepted: float, reached: float, prior: float) -> float:
@@ -401,7 +406,8 @@ class SpeculationPolicy:
         mine = [g for g in live if g.acceptance_key == key]
         if key not in self.by_key and not mine:
             return overall
-        return self.by_key.get(key, Acceptance(self.max_draft_tokens)).chances(overall, mine)
+        counts = self.by_key.get(key) or Acceptance(self.max_draft_tokens)
+        return counts.chances(overall, mine)
 
     def chances(self, g: Generation, pool: Sequence[float] | None = None) -> list[float]:
         """a_b1..a_bKmax: the row's own counts shrunk towards m_j (the pool's r_j while it
@@ -543,10 +549,13 @@ class SpeculationPolicy:
         """The chance a draft the draft model drew with probability ``confidence`` is
         accepted: its bin's rate over every row, shrunk towards the pool's, and with a
         ``key`` that key's bin rate, shrunk towards it."""
-        chance = self.overall.bin_chance(confidence, self._pool_rate())
-        if key not in self.by_key:
-            return chance
-        return self.by_key[key].bin_chance(confidence, chance)
+        return self._bin_chances(key)[_bin(confidence)]
+
+    def _bin_chances(self, key: Hashable) -> list[float]:
+        """``accept_chance`` of each confidence bin, for acceptance ``key`` (None: every
+        row's)."""
+        chances = self.overall.bin_chances([self._pool_rate()] * (len(_CONFIDENCE_EDGES) + 1))
+        return self.by_key[key].bin_chances(chances) if key in self.by_key else chances
 
     def stopping(self, generations: Sequence[Generation]) -> list[Stopping | None] | None:
         """What ends each row's chain inside an iteration: ``keep_drafting`` at the row's key
@@ -563,14 +572,15 @@ class SpeculationPolicy:
         if self.probing():
             return True
         j = len(confidences)
+        chances = self._bin_chances(key)
         survival, expected = 1.0, 1.0
         for c in confidences:
-            survival *= self.accept_chance(c, key)
+            survival *= chances[_bin(c)]
             expected += survival
         t_draft = self.draft.estimate(1)
         cost = j * t_draft + self.block(j + 1)
         more = t_draft + self.block(j + 2) - self.block(j + 1)
-        nearest = self.accept_chance(confidences[-1], key) if confidences else self._pool_rate(key)
+        nearest = chances[_bin(confidences[-1])] if confidences else self._pool_rate(key)
         gain = survival * nearest
         return cost <= 0 or gain * cost >= expected * more
 
