@@ -7,12 +7,16 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_lm
 
+from cactus_spec import cli
+from cactus_spec.backends import native
+from cactus_spec.backends.quant import QUANTS
+from cactus_spec.bench import command as bench_command
 from cactus_spec.cli import main
 from cactus_spec.cli_args import parser
 from cactus_spec.core.spec import DecodeSpec
 from cactus_spec.loading.catalog import DEFAULT_PAIR
-from cactus_spec.loading.models import resolve_verifier_quant
-from cactus_spec.loading.options import DEFAULT_DRAFT_QUANT, LOAD_KEYS, LoadOptions, parse_load
+from cactus_spec.loading.models import resolve_draft_quant, resolve_verifier_quant
+from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 from cactus_spec.runtime.engine import SpeculativeDecoder
 
 NOWHERE = "/nonexistent/model.gguf"  # never loads: every error below comes first
@@ -33,14 +37,46 @@ def _flag(key: str) -> str:
 def test_defaults_and_resolution() -> None:
     options = parse_load({}, needs_draft=True)
     assert (options.verifier, options.draft) == DEFAULT_PAIR
-    assert options == LoadOptions(draft=DEFAULT_PAIR[1])
+    assert options == LoadOptions(draft=DEFAULT_PAIR[1], draft_quant=options.draft_quant)
     assert parse_load({"draft": "x"}, needs_draft=True).draft == "x"
     assert parse_load({}, needs_draft=False).draft is None
     auto = parse_load({"verifier_quant": "auto"}, needs_draft=False).verifier_quant
     assert auto == resolve_verifier_quant("auto") and auto in ("none", "int8")
     assert parse_load({"threads": "2", "draft_vocab": "7"}, needs_draft=True).threads == 2
     assert set(parse_load({}, needs_draft=False).as_kwargs()) == set(LOAD_KEYS)
-    assert options.draft_quant == DEFAULT_DRAFT_QUANT
+    assert options.draft_quant == resolve_draft_quant("auto", 1)
+
+
+def test_the_drafts_format_fits_the_rows_decoded_at_once(monkeypatch) -> None:
+    """``draft_quant`` auto, given or not: int4 for one row (its step reads about half of
+    int8's bytes), int8 for several, int8 without the native kernels, dense off the CPU. A
+    format asked for is kept whatever the rows (the control: the rows pick only auto's)."""
+    monkeypatch.setattr(native, "available", lambda: True)
+    assert [parse_load({}, needs_draft=True, rows=r).draft_quant for r in (1, 2, 8)] == [
+        "int4", "int8", "int8",
+    ]  # fmt: skip
+    assert parse_load({"draft_quant": "auto"}, needs_draft=True) == parse_load({}, needs_draft=True)
+    for quant in QUANTS:
+        kept = {
+            parse_load({"draft_quant": quant}, needs_draft=True, rows=r).draft_quant for r in (1, 8)
+        }
+        assert kept == {quant}
+    assert resolve_draft_quant("auto", 1, "cuda") == "none"
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert resolve_draft_quant("auto", 1) == "int8"
+
+
+@pytest.mark.parametrize(
+    ("command", "rows"),
+    [(["generate", "hi"], 1), (["demo"], 1), (["bench"], 1), (["bench", "--max-batch", "8"], 8)],
+)
+def test_each_command_drafts_in_the_format_of_the_rows_it_decodes(command, rows, monkeypatch):
+    """generate and demo decode one row, bench its --max-batch (serve's: its --max-batch,
+    ``test_serve_shutdown``); with the native kernels one row drafts in int4, eight in int8."""
+    monkeypatch.setattr(native, "available", lambda: True)
+    args = parser().parse_args(command)
+    read = bench_command._load_options if command[0] == "bench" else cli._load_options
+    assert read(args, True).draft_quant == {1: "int4", 8: "int8"}[rows]
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["demo"], ["serve"], ["bench"]])

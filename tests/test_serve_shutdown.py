@@ -138,6 +138,7 @@ def test_serve_with_a_draft_model_starts_and_stops_without_a_traceback(tmp_path)
     next(served, None)
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log and "Event loop is closed" not in log, log[-2000:]
+    assert "draft smollm2-135m (int8)" in log  # the format for 8 rows (--max-batch's default)
 
 
 def test_serve_says_where_it_listens_and_how_long_start_up_took(tmp_path) -> None:

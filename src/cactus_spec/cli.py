@@ -33,17 +33,20 @@ from cactus_spec.loading.options import LOAD_KEYS, LoadOptions, parse_load
 stderr = Console(stderr=True)
 
 
-def _load_options(args: argparse.Namespace, needs_draft: bool, trees: bool = False) -> LoadOptions:
-    """The model flags, read by the one loading parser (``loading.options``): --verifier and
-    --draft default to the default pair (known names load only once fetched)."""
+def _load_options(
+    args: argparse.Namespace, needs_draft: bool, trees: bool = False, rows: int = 1
+) -> LoadOptions:
+    """The model flags, read by the one loading parser (``loading.options``) for a command
+    that decodes at most ``rows`` rows at once: --verifier and --draft default to the default
+    pair (known names load only once fetched)."""
     given = {key: getattr(args, key) for key in LOAD_KEYS}
-    return parse_load(given, needs_draft=needs_draft, trees=trees, label=flag)
+    return parse_load(given, needs_draft=needs_draft, trees=trees, rows=rows, label=flag)
 
 
-def _check_drafting(args: argparse.Namespace, spec: DecodeSpec) -> LoadOptions:
-    """The model flags read against ``spec``, and the drafting flags that cannot go
-    together whatever the models are, refused before any model loads."""
-    options = _load_options(args, spec.needs_draft_model, spec.trees)
+def _check_drafting(args: argparse.Namespace, spec: DecodeSpec, rows: int = 1) -> LoadOptions:
+    """The model flags read against ``spec`` for ``rows`` rows at once, and the drafting
+    flags that cannot go together whatever the models are, refused before any model loads."""
+    options = _load_options(args, spec.needs_draft_model, spec.trees, rows)
     spec.check_trees(flag)
     if spec.trees and not reads_trees(options.backend):
         raise ValueError(
@@ -222,8 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     spec = _spec(args)
-    models = _check_drafting(args, spec)
     given = {key: getattr(args, key) for key in SERVE_KEYS if getattr(args, key) is not None}
+    models = _check_drafting(args, spec, given.get("max_batch", ServeOptions.max_batch))
     template = _read_text(args.chat_template, "--chat-template") if args.chat_template else None
     options = ServeOptions(spec, models, chat_template=template, label=flag, **given)
     draft = f", {models.draft} (draft)" if models.draft else ""

@@ -17,7 +17,7 @@ from cactus_spec.core.drafters import DEFAULT_DRAFTER, DRAFTERS
 from cactus_spec.core.methods import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS
 from cactus_spec.core.sampling import SamplingConfig
 from cactus_spec.core.spec import AUTO_K, VERIFICATIONS
-from cactus_spec.loading.options import BACKENDS, DEFAULT_DRAFT_QUANT
+from cactus_spec.loading.options import BACKENDS
 from cactus_spec.runtime.grammar import GrammarLimits
 from cactus_spec.runtime.policy import POLICIES
 from cactus_spec.runtime.scheduler import PREFILL_CHUNK
@@ -323,11 +323,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=None, help="model code (auto)")
     p.add_argument(
         "--draft-quant",
-        choices=QUANTS,
+        choices=(*QUANTS, "auto"),
         default=None,
-        help="draft weights (any of them keeps the output law; int8 and int4 are level end "
-        f"to end where measured); default {DEFAULT_DRAFT_QUANT}, the GGUF's own with --backend "
-        "ggml",
+        help="draft weights (any of them keeps SpS exact and Cactus within its budget); auto "
+        "(default): int4 where one row decodes at a time (its step reads half the bytes), "
+        "int8 for several, dense off the CPU, the GGUF's own with --backend ggml",
     )
     p.add_argument(
         "--draft-vocab",

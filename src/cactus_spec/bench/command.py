@@ -120,7 +120,12 @@ def _load_options(args: argparse.Namespace, needs_draft: bool) -> LoadOptions:
     pair = (QUICK_MODEL, args.verifier or QUICK_MODEL) if args.quick else DEFAULT_PAIR
     given = {key: getattr(args, key) for key in LOAD_KEYS}
     return parse_load(
-        given, needs_draft=needs_draft, auto_ggml=False, default_pair=pair, label=flag
+        given,
+        needs_draft=needs_draft,
+        auto_ggml=False,
+        rows=args.max_batch,
+        default_pair=pair,
+        label=flag,
     )
 
 

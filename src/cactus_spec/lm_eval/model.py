@@ -117,7 +117,10 @@ class CactusSpecLM(TemplateLM):
         models |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         models |= {"dtype": dtype, "threads": threads, "device": lm_eval_args.device_for(device)}
         load = parse_load(
-            lm_eval_args.load_args(models), needs_draft=spec.needs_draft_model, trees=spec.trees
+            lm_eval_args.load_args(models),
+            needs_draft=spec.needs_draft_model,
+            trees=spec.trees,
+            rows=max_batch,
         )
         self.engine = SpeculativeDecoder(**load.as_kwargs(), spec=spec, max_batch=max_batch)
         if self.engine.tokenizer is None:

@@ -143,6 +143,25 @@ def resolve_verifier_quant(quant: str) -> str:
     return "none" if _cpu_has_fast_bf16() or not native.available() else "int8"
 
 
+def resolve_draft_quant(quant: str, rows: int, device: str | torch.device = "cpu") -> str:
+    """``quant``, or for ``auto`` the draft format that decodes fastest where ``rows`` rows
+    are decoded at once on ``device``. Any format keeps SpS exact and Cactus within its
+    budget (the draft's probabilities enter Cactus's law, never its bound). One row: int4,
+    whose draft step is bound by the bytes of weight it reads, about half of int8's
+    (measured end to end 1.2-1.4x int8 on AVX512-BF16, 1.3x on AMX; ``docs/RESULTS.md``).
+    Several rows: int8 (int4 unpacks its codes for every row, without AMX tiles: 0.92x
+    int8 at 8 rows on AMX, level on AVX512-BF16). Int8 where the native kernels are not
+    built (torch's int4 kernel computes in bfloat16); dense weights off the CPU, where the
+    quantised kernels do not run."""
+    if quant != "auto":
+        return check_quant(quant, "draft_quant")
+    from cactus_spec.backends import native
+
+    if torch.device(device).type != "cpu":
+        return "none"
+    return "int4" if rows == 1 and native.available() else "int8"
+
+
 def resolve_dtype(
     name: str | torch.dtype | None, device: str | torch.device = "cpu", label: str = "dtype"
 ) -> torch.dtype:

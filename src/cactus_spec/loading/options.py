@@ -27,32 +27,32 @@ from cactus_spec.loading.models import (
     LoadedModel,
     ModelSource,
     check_device,
+    resolve_draft_quant,
     resolve_dtype,
     resolve_verifier_quant,
 )
 
-__all__ = ["BACKENDS", "DEFAULT_DRAFT_QUANT", "LOAD_KEYS", "LoadOptions", "parse_load"]
+__all__ = ["BACKENDS", "LOAD_KEYS", "LoadOptions", "parse_load"]
 
 #: What ``parse_load`` reads.
 LOAD_KEYS = (
     "verifier", "draft", "verifier_quant", "draft_quant", "draft_vocab", "dtype", "device",
     "threads", "backend",
 )  # fmt: skip
-#: The draft's quantisation where none is asked for; the ggml backend runs the GGUF's own
-#: weights instead (none).
-DEFAULT_DRAFT_QUANT = "int8"
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     """Which models load and how. ``draft`` is None exactly when nothing is drafted by a
-    model; ``verifier_quant`` is resolved (never ``auto``: ``resolve_verifier_quant``; none
-    on the ggml backend, whose weights are the GGUF's own, as ``draft_quant``)."""
+    model; ``verifier_quant`` and ``draft_quant`` are resolved (never ``auto``:
+    ``resolve_verifier_quant``, ``resolve_draft_quant``; none on the ggml backend, whose
+    weights are the GGUF's own). One built directly rather than by ``parse_load`` drafts in
+    int8, the format ``auto`` takes for several rows at once."""
 
     verifier: ModelSource = DEFAULT_PAIR[0]
     draft: ModelSource | None = None
     verifier_quant: str = "none"
-    draft_quant: str = DEFAULT_DRAFT_QUANT
+    draft_quant: str = "int8"
     draft_vocab: int | None = None
     dtype: str | torch.dtype | None = None
     device: str = "cpu"
@@ -78,6 +78,7 @@ def parse_load(
     needs_draft: bool,
     trees: bool = False,
     auto_ggml: bool = True,
+    rows: int = 1,
     default_pair: tuple[str, str] | None = DEFAULT_PAIR,
     label: Callable[[str], str] = str,
 ) -> LoadOptions:
@@ -89,13 +90,17 @@ def parse_load(
     refused. Counts may be text (lm-eval's model args). Backend ``auto`` is resolved here
     (``loading.backend_choice``: ggml where llama.cpp's kernels measure faster and run what
     was asked, draft ``trees`` included, else ours; ``auto_ggml`` False keeps it ours), the
-    reason kept in ``backend_why``. Backend ``ggml`` reads GGUF files only and runs their own
+    reason kept in ``backend_why``. ``draft_quant`` auto, its default, is the format that
+    decodes fastest where ``rows`` rows are decoded at once, the caller's most
+    (``resolve_draft_quant``). Backend ``ggml`` reads GGUF files only and runs their own
     weights: a quantisation of ours (``auto`` reads as none), a cut draft head or a dtype is
     refused, and both quantisations read none. ValueError naming the key (``label(key)``) and
     what it allows, for the first bad one; TypeError for a model that is neither a name nor
     a model.
     """
     given = {k: v for k, v in values.items() if v is not None}
+    if given.get("draft_quant") == "auto":  # the default, given or not (asks for no format)
+        del given["draft_quant"]
     unknown = [k for k in given if k not in LOAD_KEYS]
     if unknown:
         allowed = ", ".join(LOAD_KEYS)
@@ -122,14 +127,12 @@ def parse_load(
         given.get("verifier_quant", _default("verifier_quant")),
         (*QUANTS, "auto"),
     )
-    draft_quant = _choice(
-        label("draft_quant"), given.get("draft_quant", _default("draft_quant")), QUANTS
-    )
+    draft_quant = _choice(label("draft_quant"), given.get("draft_quant", "auto"), (*QUANTS, "auto"))
     options = LoadOptions(
         verifier=_source(label("verifier"), given.get("verifier", defaults[0])),
         draft=_source(label("draft"), given.get("draft", defaults[1])) if needs_draft else None,
         verifier_quant="none" if backend == "ggml" else resolve_verifier_quant(verifier_quant),
-        draft_quant="none" if backend == "ggml" else draft_quant,
+        draft_quant="none" if backend == "ggml" else resolve_draft_quant(draft_quant, rows, device),
         draft_vocab=_count(label("draft_vocab"), given.get("draft_vocab")),
         dtype=dtype,
         device=device,

@@ -80,10 +80,10 @@ class SpeculativeDecoder:
     a prompt reuse the keys and values of the longest prefix a row still holds from its last
     sequence (``prefixes``). ``grammar_limits`` bound what a request's grammar may cost
     (``grammar.GrammarLimits``). ``draft_quant`` and ``verifier_quant`` ("none", "int8",
-    "int4") apply to models this constructor loads from a name or path: the draft is int8 by
-    default (``loading.options.DEFAULT_DRAFT_QUANT``; the output law depends only on the
-    verifier, so SpS stays exact; on the ggml backend both run the GGUF's own weights), the
-    verifier is not.
+    "int4") apply to models this constructor loads from a name or path: the draft's default
+    (``auto``) is int4 where ``max_batch`` is 1, int8 for several rows, dense off the CPU
+    (``loading.models.resolve_draft_quant``; SpS stays exact whatever the draft; on the ggml
+    backend both run the GGUF's own weights), the verifier's is its dense weights.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
     (``loading.head_vocab``: a cheaper draft step, lossless methods stay exact); it applies
     to a draft loaded here, like ``draft_quant``. ``policy`` chooses K for ``generate`` and
@@ -122,7 +122,9 @@ class SpeculativeDecoder:
         given |= {"draft_quant": draft_quant, "draft_vocab": draft_vocab, "backend": backend}
         given |= {"dtype": dtype, "device": device, "threads": threads}
         needs_draft, trees = spec.needs_draft_model, spec.trees
-        options = parse_load(given, needs_draft=needs_draft, trees=trees, default_pair=None)
+        options = parse_load(
+            given, needs_draft=needs_draft, trees=trees, rows=max_batch, default_pair=None
+        )
         self.verifier = as_loaded(
             "verifier", options.verifier, **options.model_kwargs(), quant=options.verifier_quant
         )
