@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 from conftest import AR, spec_of
 
+from cactus_spec.backends import native
 from cactus_spec.backends.hf import TransformersBackend
+from cactus_spec.backends.quant import int4_kernel, quant_kernel
 from cactus_spec.core.rules import Cactus, SpS
 from cactus_spec.loading.models import LoadedModel, load_model
 from cactus_spec.runtime.engine import SpeculativeDecoder
@@ -123,10 +128,16 @@ def test_cli_demo_runs_side_by_side(smollm: LoadedModel, capsys) -> None:
         "--dtype",
         "float32",
     ]
+    launched = time.monotonic()
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    took = time.monotonic() - launched
+    printed = capsys.readouterr()
     for name in ("AR (verifier alone)", "SpS", "Cactus (delta=1)", "vs AR", "drafted/it"):
-        assert name in out
+        assert name in printed.out
+    ready = re.search(r"ready ([\d.]+) s after start", printed.err)
+    assert ready is not None and 0 < float(ready.group(1)) <= took, printed.err
+    drafts = int4_kernel() if native.available() else quant_kernel()  # one row's format
+    assert f"draft: {drafts}" in " ".join(printed.err.split())  # rich wraps its lines
 
 
 def test_stop_string_ends_generation_and_stream_matches_text(smollm: LoadedModel) -> None:

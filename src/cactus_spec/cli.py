@@ -209,11 +209,12 @@ def run_demo(args: argparse.Namespace) -> int:
     """``cactus-spec demo``: its flags checked before any model loads, then ``bench.demo``."""
     from cactus_spec.bench import demo
 
+    started = time.monotonic()
     _check_counts(args, ("max_new_tokens", "rounds"))
     given = {"method": "sps", "num_draft_tokens": args.num_draft_tokens}
     parse_spec(given, label=flag)  # a bad K refused by its flag's name, before loading
     options = _load_options(args, needs_draft=True)
-    demo.run_demo(options, args.num_draft_tokens, args.max_new_tokens, args.rounds)
+    demo.run_demo(options, args.num_draft_tokens, args.max_new_tokens, args.rounds, started)
     return 0
 
 

@@ -8,6 +8,8 @@ ever adds time).
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.table import Table
 
@@ -44,11 +46,17 @@ def demo_runs(num_draft_tokens: int | str) -> list[tuple[str, DecodeSpec]]:
 
 
 def run_demo(
-    options: LoadOptions, num_draft_tokens: int | str, max_new_tokens: int, rounds: int
+    options: LoadOptions,
+    num_draft_tokens: int | str,
+    max_new_tokens: int,
+    rounds: int,
+    started: float | None = None,
 ) -> None:
     """Load the pair ``options`` name (a draft model included), time ``demo_runs`` for
     ``max_new_tokens`` new tokens each over ``rounds`` rounds, and print the table and
-    Cactus's text."""
+    Cactus's text. Once warmed up it says how long start-up took, from ``started`` (a
+    ``time.monotonic`` reading; default: this call)."""
+    started = time.monotonic() if started is None else started
     runs = demo_runs(num_draft_tokens)
     pair = "the default pair" if (options.verifier, options.draft) == DEFAULT_PAIR else "the models"
     stderr.print(f"loading {pair}: {options.verifier} (verifier), {options.draft} (draft) …")
@@ -69,6 +77,7 @@ def run_demo(
     decoder = SpeculativeDecoder(verifier, draft, runs[2][1], backend=options.backend)
     stderr.print("warming up (pages both models' weights in, so AR is not charged for it) …")
     decoder.generate(DEMO_PROMPT, 2, spec=runs[2][1])  # K auto: the policy times the models
+    stderr.print(f"ready {time.monotonic() - started:.1f} s after start (models loaded, warmed up)")
     fastest = _fastest_of_rounds(decoder, runs, max_new_tokens, rounds)
     Console().print(_table(runs, fastest, max_new_tokens))
     print(f"\nCactus (delta=1) wrote:\n{fastest[-1].text}")
