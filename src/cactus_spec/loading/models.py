@@ -149,8 +149,9 @@ def resolve_draft_quant(quant: str, rows: int, device: str | torch.device = "cpu
     budget (the draft's probabilities enter Cactus's law, never its bound). One row: int4,
     whose draft step is bound by the bytes of weight it reads, about half of int8's
     (measured end to end 1.2-1.4x int8 on AVX512-BF16, 1.3x on AMX; ``docs/RESULTS.md``).
-    Several rows: int8 (int4 unpacks its codes for every row, without AMX tiles: 0.92x
-    int8 at 8 rows on AMX, level on AVX512-BF16). Int8 where the native kernels are not
+    Several rows: int8 (int4 unpacks its codes for every row, where int8's rows share AMX
+    tiles: int4 ran 0.92x int8 at 8 rows on AMX, slower on that Xeon held to AVX512, level
+    to 1.1x on the AVX512-BF16 EPYC). Int8 where the native kernels are not
     built (torch's int4 kernel computes in bfloat16); dense weights off the CPU, where the
     quantised kernels do not run."""
     if quant != "auto":
