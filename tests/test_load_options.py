@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_lm
 
-from cactus_spec import cli
+from cactus_spec import cli, isa
 from cactus_spec.backends import native
 from cactus_spec.backends.quant import QUANTS
 from cactus_spec.bench import command as bench_command
@@ -48,19 +48,25 @@ def test_defaults_and_resolution() -> None:
 
 
 def test_the_drafts_format_fits_the_rows_decoded_at_once(monkeypatch) -> None:
-    """``draft_quant`` auto, given or not: int4 for one row (its step reads about half of
-    int8's bytes), int8 for several, int8 without the native kernels, dense off the CPU. A
-    format asked for is kept whatever the rows (the control: the rows pick only auto's)."""
+    """``draft_quant`` auto, given or not: int4 (its one-row step reads about half of int8's
+    bytes), but int8 where AMX tiles run several rows, int8 without the native kernels, dense
+    off the CPU. A format asked for is kept whatever the rows and level (the control: rows
+    and level pick only auto's)."""
     monkeypatch.setattr(native, "available", lambda: True)
-    assert [parse_load({}, needs_draft=True, rows=r).draft_quant for r in (1, 2, 8)] == [
-        "int4", "int8", "int8",
-    ]  # fmt: skip
+    formats = {}
+    for level in ("amx", "avx512", "avx2"):
+        monkeypatch.setattr(isa, "level", lambda level=level: level)
+        formats[level] = [parse_load({}, needs_draft=True, rows=r).draft_quant for r in (1, 2, 8)]
+        for quant in QUANTS:
+            kept = {
+                parse_load({"draft_quant": quant}, needs_draft=True, rows=r).draft_quant
+                for r in (1, 8)
+            }
+            assert kept == {quant}
+    assert formats == {
+        "amx": ["int4", "int8", "int8"], "avx512": ["int4"] * 3, "avx2": ["int4"] * 3,
+    }  # fmt: skip
     assert parse_load({"draft_quant": "auto"}, needs_draft=True) == parse_load({}, needs_draft=True)
-    for quant in QUANTS:
-        kept = {
-            parse_load({"draft_quant": quant}, needs_draft=True, rows=r).draft_quant for r in (1, 8)
-        }
-        assert kept == {quant}
     assert resolve_draft_quant("auto", 1, "cuda") == "none"
     monkeypatch.setattr(native, "available", lambda: False)
     assert resolve_draft_quant("auto", 1) == "int8"
@@ -72,20 +78,12 @@ def test_the_drafts_format_fits_the_rows_decoded_at_once(monkeypatch) -> None:
 )
 def test_each_command_drafts_in_the_format_of_the_rows_it_decodes(command, rows, monkeypatch):
     """generate and demo decode one row, bench its --max-batch (serve's: its --max-batch,
-    ``test_serve_shutdown``); with the native kernels one row drafts in int4, eight in int8."""
+    ``test_serve_shutdown``); on AMX one row drafts in int4, eight in int8."""
     monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(isa, "level", lambda: "amx")
     args = parser().parse_args(command)
     read = bench_command._load_options if command[0] == "bench" else cli._load_options
     assert read(args, True).draft_quant == {1: "int4", 8: "int8"}[rows]
-
-
-@pytest.mark.parametrize("command", [["generate", "hi"], ["demo"], ["serve"], ["bench"]])
-def test_a_flag_left_out_reads_as_the_key_left_out(command: list[str]) -> None:
-    """The model flags' defaults are ``parse_load``'s (--draft-quant's among them), bar
-    --verifier-quant, auto on the command line."""
-    args = parser().parse_args(command)
-    given = {key: getattr(args, key) for key in LOAD_KEYS if key != "verifier_quant"}
-    assert parse_load(given, needs_draft=True) == parse_load({}, needs_draft=True)
 
 
 def test_refusals_name_the_key_as_the_caller_writes_it() -> None:

@@ -326,8 +326,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=(*QUANTS, "auto"),
         default=None,
         help="draft weights (any of them keeps SpS exact and Cactus within its budget); auto "
-        "(default): int4 where one row decodes at a time (its step reads half the bytes), "
-        "int8 for several, dense off the CPU, the GGUF's own with --backend ggml",
+        "(default): int4 (its one-row step reads half the bytes), int8 where AMX runs "
+        "several rows at once, dense off the CPU, the GGUF's own with --backend ggml",
     )
     p.add_argument(
         "--draft-vocab",

@@ -144,23 +144,24 @@ def resolve_verifier_quant(quant: str) -> str:
 
 
 def resolve_draft_quant(quant: str, rows: int, device: str | torch.device = "cpu") -> str:
-    """``quant``, or for ``auto`` the draft format that decodes fastest where ``rows`` rows
-    are decoded at once on ``device``. Any format keeps SpS exact and Cactus within its
-    budget (the draft's probabilities enter Cactus's law, never its bound). One row: int4,
-    whose draft step is bound by the bytes of weight it reads, about half of int8's
-    (measured end to end 1.2-1.4x int8 on AVX512-BF16, 1.3x on AMX; ``docs/RESULTS.md``).
-    Several rows: int8 (int4 unpacks its codes for every row, where int8's rows share AMX
-    tiles: int4 ran 0.92x int8 at 8 rows on AMX, slower on that Xeon held to AVX512, level
-    to 1.1x on the AVX512-BF16 EPYC). Int8 where the native kernels are not
-    built (torch's int4 kernel computes in bfloat16); dense weights off the CPU, where the
-    quantised kernels do not run."""
+    """``quant``, or for ``auto`` the draft format that decodes fastest where up to ``rows``
+    rows are decoded at once on ``device``, at this process's level (``isa``). Any format
+    keeps SpS exact and Cactus within its budget (the draft's probabilities enter Cactus's
+    law, never its bound). Int4, whose one-row step reads about half of int8's bytes
+    (end to end at one row 1.2-1.4x int8 on AVX512-BF16, 1.3x on AMX; a server at one
+    client 1.08x; ``docs/RESULTS.md``), but int8 where AMX tiles run several rows: there
+    int8's rows share each tile of weights and int4 unpacks its codes for every row (0.92x
+    int8 at 8 rows). Int8 where the native kernels are not built (torch's int4 kernel
+    computes in bfloat16); dense weights off the CPU, where the quantised kernels do not
+    run."""
     if quant != "auto":
         return check_quant(quant, "draft_quant")
     from cactus_spec.backends import native
 
     if torch.device(device).type != "cpu":
         return "none"
-    return "int4" if rows == 1 and native.available() else "int8"
+    tiles = rows > 1 and isa.level() == "amx"
+    return "int4" if native.available() and not tiles else "int8"
 
 
 def resolve_dtype(

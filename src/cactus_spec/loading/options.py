@@ -47,7 +47,7 @@ class LoadOptions:
     model; ``verifier_quant`` and ``draft_quant`` are resolved (never ``auto``:
     ``resolve_verifier_quant``, ``resolve_draft_quant``; none on the ggml backend, whose
     weights are the GGUF's own). One built directly rather than by ``parse_load`` drafts in
-    int8, the format ``auto`` takes for several rows at once."""
+    int8, which needs no choice of level or rows."""
 
     verifier: ModelSource = DEFAULT_PAIR[0]
     draft: ModelSource | None = None
@@ -91,7 +91,7 @@ def parse_load(
     (``loading.backend_choice``: ggml where llama.cpp's kernels measure faster and run what
     was asked, draft ``trees`` included, else ours; ``auto_ggml`` False keeps it ours), the
     reason kept in ``backend_why``. ``draft_quant`` auto, its default, is the format that
-    decodes fastest where ``rows`` rows are decoded at once, the caller's most
+    decodes fastest where up to ``rows`` rows are decoded at once, the caller's most
     (``resolve_draft_quant``). Backend ``ggml`` reads GGUF files only and runs their own
     weights: a quantisation of ours (``auto`` reads as none), a cut draft head or a dtype is
     refused, and both quantisations read none. ValueError naming the key (``label(key)``) and

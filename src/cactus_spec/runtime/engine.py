@@ -81,7 +81,7 @@ class SpeculativeDecoder:
     sequence (``prefixes``). ``grammar_limits`` bound what a request's grammar may cost
     (``grammar.GrammarLimits``). ``draft_quant`` and ``verifier_quant`` ("none", "int8",
     "int4") apply to models this constructor loads from a name or path: the draft's default
-    (``auto``) is int4 where ``max_batch`` is 1, int8 for several rows, dense off the CPU
+    (``auto``) is int4, int8 where AMX tiles run ``max_batch`` > 1 rows, dense off the CPU
     (``loading.models.resolve_draft_quant``; SpS stays exact whatever the draft; on the ggml
     backend both run the GGUF's own weights), the verifier's is its dense weights.
     ``draft_vocab=N`` keeps the draft's N most frequent tokens in its LM head
