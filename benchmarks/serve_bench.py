@@ -4,19 +4,20 @@
     python benchmarks/serve_bench.py --methods ar,sps,cactus,llama.cpp --llama-cpp DIR ...
 
 Starts ``cactus-spec serve`` in its own process on loopback (default pair: bf16 verifier,
-int8 draft; speculation policy auto, calibrated first; 16 rows), then for each method and
-concurrency c runs c client threads in this process with the official ``openai`` client,
-each streaming chat completions of HumanEval prompts one after another (two per client, at
-least 4 in all), so requests join and leave a running batch. Per configuration: total
-tokens/s (all completion tokens / wall time from the first request to the last answer),
-time to first token and inter-token latency (p50, p95 over requests; ITL =
-(last chunk - first chunk) / (tokens - 1)), every gap between two chunks of a stream (p95
-and max: what a running stream waits while new requests are read), acceptance, mean K, KL
-per token. Before them, each method answers one prompt outside the measured ones in full
-(untimed): a server's first requests ran 20% slower a token than later ones (held to AVX2,
-61-66 against 50-52 ms), and the first method measured would carry that. Methods measured
-later find the measured prompts in the rows' prefix caches (the verifier's after AR, both
-models' after SpS): ``--server-args=--no-prefix-cache`` compares them on unread prompts.
+the draft's format auto; speculation policy auto, calibrated first; as many rows as the most
+clients), then for each method and concurrency c runs c client threads in this process with
+the official ``openai`` client, each streaming chat completions of HumanEval prompts one
+after another (two per client, at least 4 in all), so requests join and leave a running
+batch. Per configuration: total tokens/s (all completion tokens / wall time from the first
+request to the last answer), time to first token and inter-token latency (p50, p95 over
+requests; ITL = (last chunk - first chunk) / (tokens - 1)), every gap between two chunks of
+a stream (p95 and max: what a running stream waits while new requests are read), acceptance,
+mean K, KL per token. Before them, each method answers one prompt outside the measured ones
+in full (untimed): a server's first requests ran 20% slower a token than later ones (held to
+AVX2, 61-66 against 50-52 ms), and the first method measured would carry that. Methods
+measured later find the measured prompts in the rows' prefix caches (the verifier's after
+AR, both models' after SpS): ``--server-args=--no-prefix-cache`` compares them on unread
+prompts.
 Then ``--chats`` two-turn conversations at once, the second turn resending the history: the
 TTFT of each turn (prefix caching reads only the second turn's new tokens).
 The ``llama.cpp`` row is the peer: ``llama-server`` (built from ``--llama-cpp DIR`` as

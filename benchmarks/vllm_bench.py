@@ -12,7 +12,7 @@ Run from the project root with cactus-spec's environment (.venv); the vLLM parts
 may run beside a timed part). Parts, each appending JSON lines to ``OUT/results.jsonl`` and
 skipped when its lines are already there:
 
-- ``own``: cactus-spec's engine (bf16 verifier, int8 draft: the command line's), AR, then
+- ``own``: cactus-spec's engine (bf16 verifier, int8 draft, as RESULTS' runs), AR, then
   SpS and Cactus (delta 0.5, 1) at K = 4 and 10, and SpS and Cactus(1) on blocks, on
   HumanEval's first N prompts (chat template), 128 new tokens, the paper's sampling
   (temperature 0.6, top-k 20, top-p 0.95), seeds 0..N-1. It also writes the prompts' token
@@ -133,7 +133,7 @@ def run_own(args) -> None:
     from cactus_spec.loading.models import load_model
 
     torch.set_num_threads(2)
-    # the command line's defaults: a bf16 verifier, an int8 draft (which keeps the law)
+    # a bf16 verifier and an int8 draft, as RESULTS' runs (any draft format keeps the law)
     verifier = load_model("qwen-coder-1.5b", dtype="bfloat16")
     draft = load_model("qwen-coder-0.5b", dtype="bfloat16", quant="int8")
     decoder = SpeculativeDecoder(verifier, draft)

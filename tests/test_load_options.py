@@ -86,6 +86,15 @@ def test_each_command_drafts_in_the_format_of_the_rows_it_decodes(command, rows,
     assert read(args, True).draft_quant == {1: "int4", 8: "int8"}[rows]
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["demo"], ["serve"], ["bench"]])
+def test_a_flag_left_out_reads_as_the_key_left_out(command: list[str]) -> None:
+    """The model flags' defaults are ``parse_load``'s (--draft-quant's among them), bar
+    --verifier-quant, auto on the command line."""
+    args = parser().parse_args(command)
+    given = {key: getattr(args, key) for key in LOAD_KEYS if key != "verifier_quant"}
+    assert parse_load(given, needs_draft=True) == parse_load({}, needs_draft=True)
+
+
 def test_refusals_name_the_key_as_the_caller_writes_it() -> None:
     with pytest.raises(ValueError, match="unknown key 'thread'"):
         parse_load({"thread": 2}, needs_draft=False)
